@@ -1,0 +1,162 @@
+"""Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+The model knows nothing of KV-cache layout or devices. Attention is delegated to an
+`attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
+(out, layer_cache)`, so the same weights serve the dense reference path and the paged engine.
+Token arrays may have any leading shape (`[B, T]` for the dense path, `[T]` for a flat
+ragged batch).
+
+Every parameter carries `logical_axes` metadata ("vocab", "embed", "heads", "kv_heads",
+"head_dim", "mlp", "norm"); only `sharding/` maps those names to mesh axes. Kernels are stored
+`[in, out]` (heads split out as their own axis), i.e. transposed from Hugging Face's
+`[out, in]`; `jaxserve.weights` does the conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.rope import apply_rope, inverse_frequencies
+
+# attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
+#   -> (out [..., Hq, D], layer_cache)
+AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, axes, scale: float = 0.02) -> nnx.Param:
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def _zeros(shape, dtype, axes) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm computed in float32, scaled in the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention projections, rope and optional q/k norm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _param(rngs, (e, hq, d), dtype, ("embed", "heads", "head_dim"))
+        self.k_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = _param(rngs, (hq, d, e), dtype, ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = _zeros((hq, d), dtype, ("heads", "head_dim"))
+            self.k_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
+            self.v_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
+        self.o_bias = _zeros((e,), dtype, ("embed",)) if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim")
+        self.qkv_bias = cfg.qkv_bias
+        self.qk_norm = cfg.qk_norm
+        self.rope = cfg.rope  # static; frequencies are rebuilt as constants at trace time
+        self.head_dim = d
+
+    def __call__(self, layer_index: int, x: jax.Array, positions: jax.Array,
+                 attention: AttentionFn, layer_cache: Any) -> tuple[jax.Array, Any]:
+        q = jnp.einsum("...e,ehd->...hd", x, self.q_proj[...])  # [..., Hq, D]
+        k = jnp.einsum("...e,ehd->...hd", x, self.k_proj[...])  # [..., Hkv, D]
+        v = jnp.einsum("...e,ehd->...hd", x, self.v_proj[...])  # [..., Hkv, D]
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(self.rope, self.head_dim)  # [D/2]
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
+        out = jnp.einsum("...hd,hde->...e", out.astype(x.dtype), self.o_proj[...])
+        if self.o_bias is not None:
+            out = out + self.o_bias[...]
+        return out, layer_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _param(rngs, (e, i), dtype, ("embed", "mlp"))
+        self.up_proj = _param(rngs, (e, i), dtype, ("embed", "mlp"))
+        self.down_proj = _param(rngs, (i, e), dtype, ("mlp", "embed"))
+        if cfg.mlp_bias:
+            self.gate_bias = _zeros((i,), dtype, ("mlp",))
+            self.up_bias = _zeros((i,), dtype, ("mlp",))
+            self.down_bias = _zeros((e,), dtype, ("embed",))
+        self.mlp_bias = cfg.mlp_bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = x @ self.gate_proj[...]  # [..., I]
+        up = x @ self.up_proj[...]  # [..., I]
+        if self.mlp_bias:
+            gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
+        out = (jax.nn.silu(gate) * up) @ self.down_proj[...]  # [..., E]
+        return out + self.down_bias[...] if self.mlp_bias else out
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, layer_index, x, positions, attention, layer_cache):
+        attn_out, layer_cache = self.attn(
+            layer_index, self.input_norm(x), positions, attention, layer_cache)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, layer_cache
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers, final norm and language-model head."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
+                                  ("embed", "vocab"))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: list,
+                 attention: AttentionFn) -> tuple[jax.Array, list]:
+        """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new caches."""
+        x = jnp.take(self.embed[...], token_ids, axis=0)  # [..., E]
+        new_caches = []
+        for index, layer in enumerate(self.layers):
+            x, cache = layer(index, x, positions, attention, kv_caches[index])
+            new_caches.append(cache)
+        return self.final_norm(x), new_caches
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states `[..., E]` → float32 logits `[..., V]`."""
+        if self.config.tie_word_embeddings:
+            out = jnp.einsum("...e,ve->...v", hidden, self.embed[...])
+        else:
+            out = hidden @ self.lm_head[...]
+        return out.astype(jnp.float32)

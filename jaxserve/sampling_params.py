@@ -1,0 +1,71 @@
+"""`SamplingParams`: how one request is decoded, shaped like vLLM's so users know it.
+
+Validated at construction: a bad value is a `ValueError` naming the field, raised before
+anything reaches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Decoding settings of one request.
+
+    temperature 0 is greedy. top_k -1 (or 0) means the whole vocabulary; top_p 1.0 and min_p 0.0
+    disable those filters. `stop` strings end the text before the string; `stop_token_ids` and
+    the model's eos end it after the token (eos unless `ignore_eos`). `seed` makes sampling
+    reproducible: the same seed and prompt give the same tokens whatever else is batched.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value, low=None, high=None, low_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
