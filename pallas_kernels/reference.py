@@ -1,0 +1,106 @@
+"""Pure-jnp reference implementations: the oracle for every kernel test.
+
+Same signatures and semantics as the public kernels (minus backend selection).
+They gather each sequence's pages into a contiguous K/V, build the causal /
+sliding-window / length mask explicitly and take a float32 softmax, trading
+memory (O(tokens x context)) for obviousness. Rows that attend to no key
+(kv_len 0, padding tokens, padding sequences) come out as zeros.
+"""
+
+import jax.numpy as jnp
+
+from pallas_kernels import validation
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
+    """Masked softmax attention of tokens against their own sequence's keys.
+
+    q [T, Hq, D]; k, v [T, L, Hkv, D] (per-token copy of its sequence's keys);
+    q_pos int32[T] (position of each query; -1 or less attends to nothing);
+    kv_len int32[T]. Returns [T, Hq, D] float32.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_keys, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
+    logits = jnp.einsum("thgd,tkhd->thgk", qg, k.astype(jnp.float32)) * sm_scale  # [T, Hkv, G, L]
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    key_pos = jnp.arange(num_keys)[None, :]  # [1, L]
+    mask = (key_pos <= q_pos[:, None]) & (key_pos < kv_len[:, None])  # [T, L]
+    if sliding_window is not None:
+        mask &= q_pos[:, None] - key_pos < sliding_window
+    mask = mask[:, None, None, :]  # [T, 1, 1, L]
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    weights = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)  # [T, Hkv, G, L]
+    denom = weights.sum(-1, keepdims=True)  # [T, Hkv, G, 1]
+    weights = weights / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("thgk,tkhd->thgd", weights, v.astype(jnp.float32))  # [T, Hkv, G, D]
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _gather_seq(pages, page_indices):
+    """pages [N, page_size, Hkv, D], page_indices [S, P] -> [S, P * page_size, Hkv, D]."""
+    num_seqs, pages_per_seq = page_indices.shape
+    _, page_size, num_kv_heads, head_dim = pages.shape
+    return pages[page_indices].reshape(
+        num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim
+    )
+
+
+def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
+                    soft_cap=None, sliding_window=None, interpret=None):
+    """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored."""
+    del interpret
+    dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices)
+    validation.check_options(sm_scale, soft_cap, sliding_window)
+    sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
+    k = _gather_seq(k_pages, page_indices)  # [B, L, Hkv, D]
+    v = _gather_seq(v_pages, page_indices)  # [B, L, Hkv, D]
+    out = _attend(q, k, v, kv_lens - 1, kv_lens, sm_scale, soft_cap, sliding_window)
+    return out.astype(q.dtype)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                           num_seqs, *, sm_scale=None, soft_cap=None,
+                           sliding_window=None, interpret=None):
+    """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored."""
+    del interpret
+    dims = validation.check_ragged(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+    )
+    validation.check_options(sm_scale, soft_cap, sliding_window)
+    sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
+    num_tokens = q.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    seq = jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32)  # [T]
+    valid = token < cu_q_lens[num_seqs[0]]  # [T]
+    seq = jnp.where(valid, jnp.minimum(seq, kv_lens.shape[0] - 1), 0)  # [T]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]  # [T]
+    q_pos = kv_lens[seq] - q_len + token - cu_q_lens[seq]  # [T]
+    q_pos = jnp.where(valid, q_pos, -1)  # [T]
+    k = _gather_seq(k_pages, page_indices)[seq]  # [T, L, Hkv, D]
+    v = _gather_seq(v_pages, page_indices)[seq]  # [T, L, Hkv, D]
+    out = _attend(q, k, v, q_pos, kv_lens[seq], sm_scale, soft_cap, sliding_window)
+    return out.astype(q.dtype)
+
+
+def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+    """Reference KV write: token t goes to flat slot slot_mapping[t]; slots < 0 are skipped.
+
+    k_pages, v_pages [N, page_size, Hkv, D]; k_new, v_new [T, Hkv, D];
+    slot_mapping int32[T]. Returns the updated (k_pages, v_pages).
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    k_flat = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
+    v_flat = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        keep = slot >= 0
+        idx = jnp.maximum(slot, 0)
+        k_flat = k_flat.at[idx].set(jnp.where(keep, k_new[t].astype(k_flat.dtype), k_flat[idx]))
+        v_flat = v_flat.at[idx].set(jnp.where(keep, v_new[t].astype(v_flat.dtype), v_flat[idx]))
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+

@@ -1,0 +1,113 @@
+"""Argument checks shared by the kernels and the references.
+
+Every kernel entry point validates statically known shapes and dtypes here, so a
+bad call fails at trace time with a ValueError that names the offending argument
+instead of failing deep inside a Mosaic or Triton lowering.
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+class Dims(NamedTuple):
+    """Static sizes of one attention call."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    pages_per_seq: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1: MHA, num_q_heads: MQA)."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _check_int32(name, x, ndim):
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {x.shape}")
+
+
+def check_options(sm_scale, soft_cap, sliding_window):
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if sliding_window is not None and (
+        int(sliding_window) != sliding_window or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
+
+
+def check_cache(q, k_pages, v_pages, page_indices) -> Dims:
+    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P]."""
+    if q.ndim != 3:
+        raise ValueError(f"q must have 3 dimensions, got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            "k_pages must be [num_pages, page_size, num_kv_heads, head_dim], "
+            f"got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported (float32 or bfloat16)")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} must match q dtype {q.dtype}")
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    num_q_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim ({q.shape[2]}) != k_pages head_dim ({head_dim})")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(
+            f"page_size {page_size} not supported (one of {SUPPORTED_PAGE_SIZES})"
+        )
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    _check_int32("page_indices", page_indices, 2)
+    return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
+
+
+def check_decode(q, k_pages, v_pages, kv_lens, page_indices) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices)
+    _check_int32("kv_lens", kv_lens, 1)
+    batch = q.shape[0]
+    if kv_lens.shape[0] != batch:
+        raise ValueError(f"kv_lens has {kv_lens.shape[0]} entries, q has batch {batch}")
+    if page_indices.shape[0] != batch:
+        raise ValueError(f"page_indices has {page_indices.shape[0]} rows, q has batch {batch}")
+    return dims
+
+
+def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices)
+    _check_int32("kv_lens", kv_lens, 1)
+    _check_int32("cu_q_lens", cu_q_lens, 1)
+    _check_int32("num_seqs", num_seqs, 1)
+    max_seqs = kv_lens.shape[0]
+    if page_indices.shape[0] != max_seqs:
+        raise ValueError(
+            f"page_indices has {page_indices.shape[0]} rows, kv_lens has {max_seqs} entries"
+        )
+    if cu_q_lens.shape[0] != max_seqs + 1:
+        raise ValueError(
+            f"cu_q_lens must have len(kv_lens) + 1 = {max_seqs + 1} entries, "
+            f"got {cu_q_lens.shape[0]}"
+        )
+    if num_seqs.shape[0] != 1:
+        raise ValueError(f"num_seqs must have shape (1,), got {num_seqs.shape}")
+    return dims
