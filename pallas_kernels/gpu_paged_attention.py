@@ -41,16 +41,16 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
     q = q_ref[...]  # [R, D]
     rows, head_dim = q.shape
     pages_per_seq = pt_ref.shape[1]
-    q_pos = pos0 + jnp.arange(rows, dtype=jnp.int32) // group  # [R]
+    q_pos = pos0 + jax.lax.div(jnp.arange(rows, dtype=jnp.int32), group)  # [R]
     lanes = jnp.arange(head_dim, dtype=jnp.int32)  # [D]
 
     def body(block, carry):
         m, l, acc = carry  # [R], [R], [R, D]
         key_pos = block * block_keys + jnp.arange(block_keys, dtype=jnp.int32)  # [KB]
-        slot = key_pos // page_size  # [KB]
+        slot = jax.lax.div(key_pos, page_size)  # [KB]
         in_range = (key_pos < key_hi) & (slot < pages_per_seq)  # [KB]
         page = plgpu.load(pt_ref.at[seq, slot], mask=in_range, other=0)  # [KB]
-        kv_row = page * page_size + key_pos % page_size  # [KB]
+        kv_row = page * page_size + jax.lax.rem(key_pos, page_size)  # [KB]
         # All-array indices (not a slice on D) so interpret mode can discharge the gather.
         kv_idx = (kv_row[:, None], head, lanes[None, :])
         k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
@@ -74,7 +74,8 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(key_lo // block_keys, pl.cdiv(key_hi, block_keys), body, init)
+    _, l, acc = jax.lax.fori_loop(jax.lax.div(key_lo, block_keys),
+                                  jax.lax.div(key_hi + block_keys - 1, block_keys), body, init)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 

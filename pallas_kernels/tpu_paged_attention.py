@@ -58,7 +58,7 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
     @pl.when((block * block_keys < key_hi) & ((block + 1) * block_keys > key_lo))
     def _accumulate():
         row = jax.lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0)  # [R, KB]
-        q_pos = pos0_ref[item] + (row // group if rows > group else 0)  # [R, KB]
+        q_pos = pos0_ref[item] + (jax.lax.div(row, group) if rows > group else 0)  # [R, KB]
         key_pos = block * block_keys + jax.lax.broadcasted_iota(
             jnp.int32, (rows, block_keys), 1)  # [R, KB]
         mask = (key_pos <= q_pos) & (key_pos < key_hi) & (key_pos < kv_len_ref[item])
@@ -93,8 +93,11 @@ def _page_index_map(n, pages_per_seq, page_size, pages_per_block):
 
     def index_map(item, block, seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref):
         del pos0_ref, kv_len_ref
-        first_page = key_lo_ref[item] // page_size
-        last_page = jnp.maximum(pl.cdiv(key_hi_ref[item], page_size) - 1, first_page)
+        # lax.div (truncating) not //: floor division lowers through sign(), which
+        # Mosaic only lowers on a real TPU. Keys are >= 0, so both agree.
+        first_page = jax.lax.div(key_lo_ref[item], page_size)
+        last_page = jnp.maximum(jax.lax.div(key_hi_ref[item] + page_size - 1, page_size) - 1,
+                                first_page)
         slot = jnp.clip(block * pages_per_block + n, first_page, last_page)
         return pt_ref[seq_ref[item] * pages_per_seq + slot], 0, 0, 0
 
