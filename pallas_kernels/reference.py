@@ -94,8 +94,8 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
     slot_mapping int32[T]. Returns the updated (k_pages, v_pages).
     """
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    k_flat = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
-    v_flat = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
+    k_flat = jnp.asarray(k_pages).reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
+    v_flat = jnp.asarray(v_pages).reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         keep = slot >= 0

@@ -1,0 +1,42 @@
+"""Shared helpers for the pallas_kernels tests (CPU, Pallas interpret mode)."""
+
+import os
+
+# 8 host devices for the shard_map test; must be set before jax initialises.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+class Case:
+    """A random paged KV cache plus page tables, as numpy arrays."""
+
+    def __init__(self, seed, *, num_q_heads, num_kv_heads, head_dim, page_size, num_seqs,
+                 pages_per_seq, dtype=np.float32, spare_pages=3):
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        num_pages = num_seqs * pages_per_seq + spare_pages
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv, D]
+        self.v_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv, D]
+        # Page 0 stays a padding page: real tables use distinct pages 1..N-1.
+        perm = rng.permutation(np.arange(1, num_pages))[: num_seqs * pages_per_seq]
+        self.page_indices = perm.reshape(num_seqs, pages_per_seq).astype(np.int32)  # [S, P]
+        self.num_q_heads, self.head_dim, self.dtype = num_q_heads, head_dim, dtype
+
+    @property
+    def tol(self):
+        """assert_allclose tolerances vs the float32-softmax reference."""
+        if np.dtype(self.dtype) == np.float32:
+            return dict(atol=2e-5, rtol=2e-5)
+        return dict(atol=3e-2, rtol=3e-2)
+
+    def queries(self, num_tokens):
+        q = self.rng.standard_normal((num_tokens, self.num_q_heads, self.head_dim))
+        return q.astype(self.dtype)  # [T, Hq, D]
+
+
+@pytest.fixture
+def make_case():
+    return Case
