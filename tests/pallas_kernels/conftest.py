@@ -1,4 +1,8 @@
-"""Shared helpers for the pallas_kernels tests (CPU, Pallas interpret mode)."""
+"""Shared helpers for the pallas_kernels tests (CPU, Pallas interpret mode).
+
+Test files are named test_pallas_* so their basenames cannot clash with tests/test_*
+(no __init__.py: pytest imports test modules by basename).
+"""
 
 import os
 
