@@ -6,11 +6,14 @@
     print(out[0].outputs[0].text)
 
 Prompts are strings (tokenized with the model's tokenizer) or `{"prompt_token_ids": [...]}`.
-Generation currently runs on the dense reference path (`DenseGenerator`).
+Generation runs through the serving engine (paged KV cache, continuous batching); engine
+options are keyword arguments, named as in vLLM (see `EngineConfig`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,16 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import load_config
-from jaxserve.dense_generation import DenseGenerator
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampler import SamplingArrays
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.stop_strings import find_stop
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import load_weights
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-ENGINE_OPTIONS = ("max_model_len", "max_num_seqs")
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None):
@@ -55,7 +57,7 @@ def _eos_ids(model_dir: Path, config_ids, tokenizer: Tokenizer | None) -> set[in
 class LLM:
     """Loads a Hugging Face model folder and generates from Python."""
 
-    def __init__(self, model: str, dtype: str = "auto", seed: int = 0, progress: bool = True,
+    def __init__(self, model: str, dtype: str = "auto", progress: bool = True,
                  **engine_options: Any):
         unknown = sorted(set(engine_options) - set(ENGINE_OPTIONS))
         if unknown:
@@ -67,17 +69,16 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype)
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        self.eos_token_ids = _eos_ids(model_dir, self.config.eos_token_ids, self.tokenizer)
-        self.max_model_len = _positive_option(
-            engine_options, "max_model_len", self.config.max_position_embeddings)
-        if self.max_model_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({self.config.max_position_embeddings})")
-        self.max_num_seqs = _positive_option(engine_options, "max_num_seqs", 64)
-        self._seed_rng = np.random.default_rng(seed)
-        self._next_request = 0
-        weights = load_weights(model_dir, self.config, self.dtype, progress=progress)
-        self.generator = DenseGenerator(weights)
+        limit = self.config.max_position_embeddings
+        engine_options.setdefault("max_model_len", limit)
+        self.engine_config = EngineConfig(**engine_options)
+        if self.engine_config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.engine_config.max_model_len}) exceeds the "
+                             f"model's max_position_embeddings ({limit})")
+        self.model = load_weights(model_dir, self.config, self.dtype, progress=progress)
+        eos = _eos_ids(model_dir, self.config.eos_token_ids, self.tokenizer)
+        self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress)
+        self._request_ids = itertools.count()
 
     # ---- prompts ----------------------------------------------------------------------
     def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
@@ -91,19 +92,18 @@ class LLM:
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            bad = [t for t in ids if not isinstance(t, (int, np.integer))
-                   or not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{index}].prompt_token_ids has ids outside "
-                                 f"[0, {self.config.vocab_size}): {bad[:5]}")
+            if not all(isinstance(t, (int, np.integer)) for t in ids):
+                raise ValueError(f"prompts[{index}].prompt_token_ids must be integers")
         else:
             raise ValueError(f"prompts[{index}] must be a str or a dict with 'prompt_token_ids'")
-        if not ids:
-            raise ValueError(f"prompts[{index}] has no tokens")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompts[{index}] has {len(ids)} tokens; max_model_len is "
-                             f"{self.max_model_len} (prompt plus at least one new token)")
-        return text, [int(t) for t in ids]
+        return text, ids
+
+    def _sequence(self, index: int, prompt, params: SamplingParams):
+        text, ids = self._prompt_ids(prompt, index)
+        try:
+            return self.engine.make_sequence(str(next(self._request_ids)), ids, params, text)
+        except ValueError as err:
+            raise ValueError(f"prompts[{index}]: {err}") from None
 
     # ---- generation -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -121,12 +121,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts")
-        encoded = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
-        results = []
-        for start in range(0, len(prompts), self.max_num_seqs):
-            chunk = slice(start, start + self.max_num_seqs)
-            results += self._generate_batch(encoded[chunk], params[chunk])
-        return results
+        sequences = [self._sequence(i, prompt, p)
+                     for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for seq in sequences:  # all validated before any is queued
+            self.engine.enqueue(seq)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self.engine.pop_output(seq) for seq in sequences]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None
              ) -> list[RequestOutput]:
@@ -137,45 +138,3 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c),
                     "prompt": self.tokenizer.apply_chat_template(c)} for c in conversations]
         return self.generate(prompts, sampling_params)
-
-    def _generate_batch(self, encoded, params) -> list[RequestOutput]:
-        max_new = [min(p.max_tokens or self.max_model_len, self.max_model_len - len(ids))
-                   for (_, ids), p in zip(encoded, params)]
-        stop_ids = [sorted(set(p.stop_token_ids) | (set() if p.ignore_eos
-                                                      else self.eos_token_ids))
-                    for p in params]
-        seeds = [p.seed if p.seed is not None else int(self._seed_rng.integers(2**32))
-                 for p in params]
-        generated = self.generator.generate(
-            [ids for _, ids in encoded], max_new, stop_ids,
-            lambda rows: SamplingArrays.from_params(params, seeds, rows))
-        outputs = []
-        for (text, ids), p, (new_ids, hit_stop) in zip(encoded, params, generated):
-            outputs.append(RequestOutput(
-                request_id=str(self._next_request), prompt=text, prompt_token_ids=ids,
-                outputs=[self._completion(new_ids, hit_stop, p)]))
-            self._next_request += 1
-        return outputs
-
-    def _completion(self, token_ids: list[int], hit_stop: bool,
-                    params: SamplingParams) -> CompletionOutput:
-        """Detokenize, cutting at the first stop string if one appears."""
-        if self.tokenizer is None:
-            return CompletionOutput(0, "", token_ids, "stop" if hit_stop else "length")
-        detok = IncrementalDetokenizer(self.tokenizer)
-        for count, token in enumerate(token_ids, start=1):
-            delta = detok.add([token])
-            cut = find_stop(detok.text, len(delta), params.stop) if params.stop else None
-            if cut is not None:
-                return CompletionOutput(0, detok.text[:cut], token_ids[:count], "stop")
-        text = self.tokenizer.decode(token_ids)
-        return CompletionOutput(0, text, token_ids, "stop" if hit_stop else "length")
-
-
-def _positive_option(options: dict, name: str, default: int) -> int:
-    value = options.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value

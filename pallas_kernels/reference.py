@@ -54,7 +54,8 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
                     soft_cap=None, sliding_window=None, interpret=None):
     """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored."""
     del interpret
-    dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices)
+    dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
+                                   kernel_limits=False)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     k = _gather_seq(k_pages, page_indices)  # [B, L, Hkv, D]
@@ -69,7 +70,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored."""
     del interpret
     dims = validation.check_ragged(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False
     )
     validation.check_options(sm_scale, soft_cap, sliding_window)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale

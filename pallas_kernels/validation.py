@@ -48,8 +48,12 @@ def check_options(sm_scale, soft_cap, sliding_window):
         raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
 
 
-def check_cache(q, k_pages, v_pages, page_indices) -> Dims:
-    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P]."""
+def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True) -> Dims:
+    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P].
+
+    kernel_limits=False skips the head_dim / page_size limits of the Pallas kernels (the
+    jnp references take any size).
+    """
     if q.ndim != 3:
         raise ValueError(f"q must have 3 dimensions, got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -68,9 +72,9 @@ def check_cache(q, k_pages, v_pages, page_indices) -> Dims:
     num_q_heads = q.shape[1]
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim ({q.shape[2]}) != k_pages head_dim ({head_dim})")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    if kernel_limits and head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
-    if page_size not in SUPPORTED_PAGE_SIZES:
+    if kernel_limits and page_size not in SUPPORTED_PAGE_SIZES:
         raise ValueError(
             f"page_size {page_size} not supported (one of {SUPPORTED_PAGE_SIZES})"
         )
@@ -82,8 +86,8 @@ def check_cache(q, k_pages, v_pages, page_indices) -> Dims:
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
 
 
-def check_decode(q, k_pages, v_pages, kv_lens, page_indices) -> Dims:
-    dims = check_cache(q, k_pages, v_pages, page_indices)
+def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits)
     _check_int32("kv_lens", kv_lens, 1)
     batch = q.shape[0]
     if kv_lens.shape[0] != batch:
@@ -93,8 +97,9 @@ def check_decode(q, k_pages, v_pages, kv_lens, page_indices) -> Dims:
     return dims
 
 
-def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> Dims:
-    dims = check_cache(q, k_pages, v_pages, page_indices)
+def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                 kernel_limits=True) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits)
     _check_int32("kv_lens", kv_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
     _check_int32("num_seqs", num_seqs, 1)

@@ -1,0 +1,56 @@
+"""The paged KV cache: per layer `(k_pages, v_pages)`, each
+`[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), and its sizing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
+
+CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
+
+
+def page_bytes(model: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page across all layers, keys and values."""
+    per_layer = page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * model.num_layers * per_layer
+
+
+def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
+                     device: jax.Device | None = None) -> int:
+    """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
+    for `max_num_seqs` full-length sequences, at most 1 GiB)."""
+    if engine.num_pages is not None:
+        return engine.num_pages
+    one_page = page_bytes(model, engine.page_size, dtype)
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = int(free * engine.kv_cache_memory_fraction)
+        pages = budget // one_page
+    else:
+        wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
+        pages = min(wanted, CPU_KV_CACHE_BYTES // one_page)
+    if pages < 1 + engine.pages_per_seq:
+        raise ValueError(
+            f"the KV cache fits only {pages} pages of {engine.page_size} tokens, fewer than one "
+            f"sequence of max_model_len={engine.max_model_len} needs; lower max_model_len or "
+            "raise kv_cache_memory_fraction / num_pages")
+    return int(pages)
+
+
+def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                      sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer caches, placed with `sharding` (default: the default device)."""
+    shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(model.num_layers)]
+
+
+def cache_bytes(caches) -> int:
+    return int(sum(np.prod(k.shape) * k.dtype.itemsize * 2 for k, _ in caches))

@@ -1,0 +1,154 @@
+"""Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
+
+Two kinds of program, both taking the weights, the donated KV cache and a `StepInput`:
+- "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
+  decode tokens, K/V written into the cache, one token sampled per sequence.
+- "decode" (S): `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled
+  token back, with stop tokens and per-row limits checked on device, so several tokens come
+  back per host round-trip.
+
+Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
+a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
+This is the one place that calls `jax.jit` for the model step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve.batcher import MAX_DEVICE_STOP_IDS, StepInput
+from jaxserve.engine_config import EngineConfig
+from jaxserve.kv_cache import allocate_kv_cache
+from jaxserve.model import LlamaModel
+from jaxserve.model.paged_attention import PagedAttention
+from jaxserve.sampler import SamplingArrays, sample
+
+
+class CompileAfterWarmupError(RuntimeError):
+    """A program was needed that warm-up did not compile, and `strict_compile` is on."""
+
+
+class Runner:
+    """Holds the weights, the KV cache and the compiled programs."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int,
+                 attention_backend: str | None):
+        self.config = config
+        self.model_config = model.config
+        self.graphdef, self.state = nnx.split(model)
+        dtype = model.embed[...].dtype
+        self.caches = allocate_kv_cache(model.config, num_pages, config.page_size, dtype)
+        self.attention_backend = attention_backend
+        self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
+                        "decode": jax.jit(self._decode, donate_argnums=(1,))}
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
+
+    # ---- traced programs ----------------------------------------------------------------
+    def _attention(self, inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs):
+        return PagedAttention(inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs,
+                              self.model_config.sliding_window, self.attention_backend)
+
+    def _step(self, state, caches, inp: StepInput):
+        model = nnx.merge(self.graphdef, state)
+        attention = self._attention(inp.slot_mapping, inp.kv_lens, inp.page_indices,
+                                    inp.cu_q_lens, inp.num_seqs)
+        hidden, caches = model(inp.token_ids, inp.positions, caches, attention)  # [T, E]
+        logits = model.logits(hidden[inp.logits_indices])  # [S, V]
+        return sample(logits, inp.sampling, inp.kv_lens), caches  # [S]
+
+    def _decode(self, state, caches, inp: StepInput, num_steps):
+        model = nnx.merge(self.graphdef, state)
+        rows = inp.kv_lens.shape[0]
+        page_size = self.config.page_size
+        row = jnp.arange(rows)
+        valid = row < inp.num_seqs[0]  # [S]
+        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
+        out = jnp.zeros((rows, self.config.num_decode_steps), jnp.int32)  # [S, K]
+        count = jnp.zeros((rows,), jnp.int32)
+        done = ~valid | (inp.max_new <= 0)
+
+        def cond(carry):
+            step, _, _, done, _, _, _ = carry
+            return (step < num_steps) & ~jnp.all(done)
+
+        def body(carry):
+            step, out, count, done, current, position, caches = carry
+            page = inp.page_indices[row, position // page_size]
+            slots = jnp.where(done, -1, page * page_size + position % page_size)
+            kv_lens = jnp.where(valid, position + 1, 0)
+            attention = self._attention(slots, kv_lens, inp.page_indices, cu_q_lens,
+                                        inp.num_seqs)
+            hidden, caches = model(current, position, caches, attention)  # [S, E]
+            new = sample(model.logits(hidden), inp.sampling, position + 1)  # [S]
+            out = out.at[:, step].set(jnp.where(done, 0, new))
+            count = count + (~done).astype(jnp.int32)
+            stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1) | (count >= inp.max_new)
+            position = jnp.where(done, position, position + 1)
+            current = jnp.where(done, current, new)
+            return step + 1, out, count, done | stopped, current, position, caches
+
+        carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, caches)
+        _, out, count, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
+        return out, count, caches  # [S, K], [S]
+
+    # ---- compilation --------------------------------------------------------------------
+    def _input_shapes(self, tokens: int, rows: int) -> StepInput:
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        return StepInput(
+            token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
+            kv_lens=i32(rows), page_indices=i32(rows, self.config.pages_per_seq),
+            cu_q_lens=i32(rows + 1), num_seqs=i32(1), logits_indices=i32(rows),
+            sampling=SamplingArrays(temperature=f32(rows), top_k=i32(rows), top_p=f32(rows),
+                                    min_p=f32(rows),
+                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32)),
+            max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS))
+
+    def _program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
+        key = (kind, tokens, rows)
+        if key not in self._compiled:
+            if self.warmed_up:
+                if self.config.strict_compile:
+                    raise CompileAfterWarmupError(
+                        f"program {key} was not compiled at warm-up (strict_compile=True)")
+                self.compiles_after_warmup += 1
+            args = [self.state, self.caches, self._input_shapes(tokens, rows)]
+            if kind == "decode":
+                args.append(jax.ShapeDtypeStruct((), jnp.int32))
+            self._compiled[key] = self._jitted[kind].lower(*args).compile()
+        return self._compiled[key]
+
+    def bucket_programs(self) -> list[tuple[str, int, int]]:
+        """Every program the bucket ladders can ask for."""
+        cfg = self.config
+        keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
+        if cfg.num_decode_steps > 1:
+            keys += [("decode", s, s) for s in cfg.seq_buckets]
+        return keys
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every bucket's program (from the persistent cache when it has them)."""
+        for key in tqdm(self.bucket_programs(), desc="Compiling buckets", unit="program",
+                        disable=not progress):
+            self._program(*key)
+        self.warmed_up = True
+
+    # ---- running ------------------------------------------------------------------------
+    def step(self, inp: StepInput) -> np.ndarray:
+        """One forward; returns the sampled token of every row `[S]`."""
+        program = self._program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
+        tokens, self.caches = program(self.state, self.caches, inp)
+        return np.asarray(tokens)
+
+    def decode(self, inp: StepInput, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to `num_steps` decode steps; returns tokens `[S, K]` and counts `[S]`."""
+        rows = inp.kv_lens.shape[0]
+        program = self._program("decode", rows, rows)
+        out, count, self.caches = program(self.state, self.caches, inp, np.int32(num_steps))
+        return np.asarray(out), np.asarray(count)

@@ -1,0 +1,87 @@
+"""Host-side state of one request while the engine serves it (plain Python, no jax).
+
+A sequence's tokens are its prompt followed by what it generated. `num_computed_tokens` of
+them have K/V in the cache (in `pages`, in order); the rest are computed by later steps. A
+preempted sequence keeps its tokens but loses its pages and recomputes them all, output
+included, as one longer prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """Wall-clock marks of one request, for latency metrics (seconds, `time.monotonic`)."""
+
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    inter_token: list[float] = dataclasses.field(default_factory=list)
+
+    def tokens_arrived(self, count: int, now: float) -> None:
+        """Record `count` tokens that reached the host together at `now`."""
+        if count <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            count -= 1
+        elif self.last_token is not None:
+            # A multi-step decode returns several tokens at once: spread the gap evenly.
+            gap = (now - self.last_token) / count
+            self.inter_token.extend([gap] * count)
+            count = 0
+        if count:
+            self.inter_token.extend([0.0] * count)
+        self.last_token = now
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One request: its tokens, its pages, its progress and how it ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # min(max_tokens, max_model_len - prompt length)
+    stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    prompt: str | None = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[int] = dataclasses.field(default_factory=list)  # of full pages, in order
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    times: RequestTimes = dataclasses.field(default_factory=RequestTimes)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when only the newest sampled token is missing from the cache."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_token_ids)
