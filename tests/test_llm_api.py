@@ -3,7 +3,8 @@
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tiny_models import build_model
+from jaxserve.runner import CompileAfterWarmupError
+from tiny_models import SMALL_ENGINE, build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -12,7 +13,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
     build_model("llama", folder)
-    return LLM(str(folder), dtype="float32", max_model_len=64, progress=False)
+    return LLM(str(folder), dtype="float32", progress=False,
+               **{**SMALL_ENGINE, "max_model_len": 64, "strict_compile": True})
 
 
 def test_string_prompts_equal_their_token_ids(llm):
@@ -25,13 +27,11 @@ def test_string_prompts_equal_their_token_ids(llm):
     assert by_text.outputs[0].text == llm.tokenizer.decode(by_ids.outputs[0].token_ids)
 
 
-def test_results_come_back_in_order_across_batches(llm):
-    prompts = [{"prompt_token_ids": [0, i + 2, i + 3]} for i in range(5)]
-    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
-    small_batches = LLM.__new__(LLM)
-    small_batches.__dict__.update(llm.__dict__, max_num_seqs=2)
-    together = [o.outputs[0].token_ids for o in small_batches.generate(prompts, GREEDY)]
-    assert together == alone
+def test_results_come_back_in_order_beyond_max_num_seqs(llm):
+    prompts = [{"prompt_token_ids": [0, i + 2, i + 3]} for i in range(11)]
+    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts[:3]]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert len(together) == 11 and together[:3] == alone
 
 
 def test_stop_token_ids_and_eos_finish_with_stop(llm):
@@ -81,19 +81,21 @@ def test_chat_uses_the_template(llm):
     assert len(out.outputs[0].token_ids) == 12
 
 
-def test_repeated_calls_in_one_bucket_do_not_recompile(llm):
-    llm.generate([{"prompt_token_ids": [0, 1, 2]}], GREEDY)
-    compiled = llm.generator.compiled_programs()
-    llm.generate([{"prompt_token_ids": [0, 7, 7, 7, 7, 7]}],
-                 SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7))
-    assert llm.generator.compiled_programs() == compiled
+def test_nothing_compiles_after_warm_up(llm):
+    """strict_compile is on: serving any mix of requests must stay within warmed buckets."""
+    llm.generate([{"prompt_token_ids": list(range(2, 2 + n))} for n in (1, 15, 40, 63)],
+                 [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7), GREEDY,
+                  SamplingParams(temperature=0, max_tokens=1), GREEDY])
+    assert llm.engine.runner.compiles_after_warmup == 0
+    with pytest.raises(CompileAfterWarmupError):
+        llm.engine.runner._program("step", 48, 2)  # a shape no ladder has
 
 
 @pytest.mark.parametrize("prompt, message", [
     ("", r"prompts\[0\] is empty"),
-    ({"prompt_token_ids": []}, r"prompts\[0\] has no tokens"),
+    ({"prompt_token_ids": []}, r"prompts\[0\]: prompt has no tokens"),
     ({"prompt_token_ids": list(range(64))}, "max_model_len"),
-    ({"prompt_token_ids": [5, 100000]}, "outside"),
+    ({"prompt_token_ids": [5, 100000]}, r"prompts\[0\]: .*outside"),
     (42, "must be a str or a dict"),
 ])
 def test_bad_prompts_are_clear_errors(llm, prompt, message):
@@ -111,3 +113,5 @@ def test_bad_construction_is_a_clear_error(tmp_path):
         LLM(str(tmp_path), dtype="float8")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tmp_path), max_model_len=10_000)
+    with pytest.raises(ValueError, match="page_size"):
+        LLM(str(tmp_path), page_size=24)

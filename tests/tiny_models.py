@@ -24,6 +24,11 @@ CORPUS = [
     "Unicode: 日本語のテキスト, emoji 🦊🌲 and symbols ∑ ∫ √.",
 ] * 20
 
+# Engine options that keep warm-up short on CPU: 4 step programs and 2 decode loops.
+SMALL_ENGINE = dict(max_model_len=128, page_size=16, num_pages=48, max_num_seqs=8,
+                    max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(2, 8),
+                    num_decode_steps=4)
+
 # name → (transformers config class, model class, extra config kwargs)
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
