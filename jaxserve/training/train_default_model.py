@@ -111,9 +111,13 @@ def loss_fn(model: LlamaModel, tokens: jax.Array) -> jax.Array:
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then cosine decay to a tenth of the peak rate."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, args.warmup_steps, args.steps, end_value=args.lr * 0.1)
-    decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    def decay_matrices(params):  # weight decay on matrices only, not on norm scales
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
     return optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
