@@ -57,14 +57,16 @@ def build_tokenizer(folder: Path) -> None:
         "bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}))
 
 
-def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2):
-    """Save a random model of architecture `name` (see ARCHITECTURES) with a tokenizer."""
+def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **overrides):
+    """Save a random model of architecture `name` (see ARCHITECTURES) with a tokenizer;
+    `overrides` replace config fields."""
     config_cls, model_cls, extra = ARCHITECTURES[name]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
                   rms_norm_eps=1e-5)
     kwargs.update(extra)
+    kwargs.update(overrides)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
