@@ -36,6 +36,8 @@ class StepInput:
     sampling: SamplingArrays  # [S] rows
     max_new: np.ndarray  # [S] int32, tokens each row may still generate (decode loop)
     stop_ids: np.ndarray  # [S, MAX_DEVICE_STOP_IDS] int32, -1 padded (decode loop)
+    history: np.ndarray  # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only
+    prompt_lens: np.ndarray  # [S] int32, how many of `history` are prompt tokens
 
 
 def bucket_for(ladder: tuple[int, ...], size: int) -> int:
@@ -63,6 +65,8 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     cu_q_lens = np.zeros(rows + 1, np.int32)
     max_new = np.zeros(rows, np.int32)
     stop_ids = np.full((rows, MAX_DEVICE_STOP_IDS), -1, np.int32)
+    history = np.full((rows, config.max_model_len), -1, np.int32)
+    prompt_lens = np.zeros(rows, np.int32)
     start = 0
     for i, chunk in enumerate(out.chunks):
         seq, count = chunk.seq, chunk.num_tokens
@@ -79,6 +83,9 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         max_new[i] = seq.remaining_new_tokens
         ids = sorted(seq.stop_token_ids)[:MAX_DEVICE_STOP_IDS]
         stop_ids[i, :len(ids)] = ids
+        if seq.params.has_penalties:
+            history[i, :seq.num_tokens] = seq.token_ids
+            prompt_lens[i] = len(seq.prompt_token_ids)
     cu_q_lens[num_seqs + 1:] = start
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
     params = [c.seq.params for c in out.chunks]
@@ -88,4 +95,4 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         page_indices=page_indices, cu_q_lens=cu_q_lens,
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,
-        stop_ids=stop_ids)
+        stop_ids=stop_ids, history=history, prompt_lens=prompt_lens)

@@ -26,6 +26,7 @@ from jaxserve.output_processor import OutputProcessor, StreamDelta
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.runner import Runner
+from jaxserve.sampler import SampleResult
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence, Status
@@ -123,7 +124,7 @@ class Engine:
             else:
                 seq = self.scheduler.abort(item)
                 if seq is not None:
-                    deltas.append(self._finish(seq, "abort", [], time.monotonic()))
+                    deltas.append(self._finish(seq, [], time.monotonic()))
         return deltas
 
     # ---- stepping -----------------------------------------------------------------------
@@ -139,51 +140,55 @@ class Engine:
                 chunk.seq.times.first_scheduled = started
         inp = build_step_input(plan, self.config)
         if plan.num_decode_steps > 1:
-            tokens, counts = self.runner.decode(inp, plan.num_decode_steps)
-            new_tokens = [tokens[i, :counts[i]].tolist() for i in range(len(plan.chunks))]
-            fed = [int(c) for c in counts[:len(plan.chunks)]]
+            result, produced = self.runner.decode(inp, plan.num_decode_steps)  # [S, K, ...]
+            fed = [int(n) for n in produced[:len(plan.chunks)]]
+            produced = fed
         else:
-            sampled = self.runner.step(inp)
-            new_tokens = [[int(sampled[i])] if c.samples else [] for i, c in enumerate(plan.chunks)]
+            result = jax.tree.map(lambda a: a[:, None], self.runner.step(inp))  # [S, 1, ...]
             fed = [c.num_tokens for c in plan.chunks]
+            produced = [int(c.samples) for c in plan.chunks]
         now = time.monotonic()
-        deltas += self._apply(plan, new_tokens, fed, now)
+        deltas += self._apply(plan, result, produced, fed, now)
         self.metrics.record_step(StepRecord(
             num_seqs=len(plan.chunks), num_tokens=plan.num_tokens,
             padded_tokens=int(inp.token_ids.shape[0]), num_decode_steps=plan.num_decode_steps,
             kv_cache_usage=self.allocator.usage, duration=now - started))
         return deltas
 
-    def _apply(self, plan: SchedulerOutput, new_tokens: list[list[int]], fed: list[int],
-               now: float) -> list[StreamDelta]:
+    def _apply(self, plan: SchedulerOutput, result: SampleResult, produced: list[int],
+               fed: list[int], now: float) -> list[StreamDelta]:
+        """Book-keep one step: computed tokens, new pages keyed, tokens through the stop
+        checks. `result` fields are `[S, K, ...]`; row i produced `produced[i]` tokens."""
         deltas = []
-        for chunk, tokens, count in zip(plan.chunks, new_tokens, fed):
+        for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
-            seq.num_computed_tokens += count
+            seq.num_computed_tokens += fed[i]
             self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
                                                seq.num_computed_tokens)
-            if not tokens:
+            if not produced[i]:
                 continue
-            kept, reason = self._processors[seq.request_id].add_tokens(tokens)
+            processor = self._processors[seq.request_id]
+            tokens = result.tokens[i, :produced[i]].tolist()
+            kept, reason = processor.add_tokens(tokens)
+            if seq.params.logprobs is not None:
+                processor.add_logprobs(result, i, len(kept))
             seq.times.tokens_arrived(len(kept), now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                deltas.append(self._finish(seq, reason, kept, now))
+                deltas.append(self._finish(seq, kept, now))
             else:
-                text = self._processors[seq.request_id].take_delta(finished=False)
-                deltas.append(StreamDelta(seq.request_id, kept, text, False, None))
+                deltas.append(processor.delta(kept, finished=False))
         return deltas
 
-    def _finish(self, seq: Sequence, reason: str, kept: list[int], now: float) -> StreamDelta:
+    def _finish(self, seq: Sequence, kept: list[int], now: float) -> StreamDelta:
         seq.times.finished = now
         self.metrics.record_finished(seq)
-        text = self._processors[seq.request_id].take_delta(finished=True)
-        return StreamDelta(seq.request_id, kept, text, True, reason)
+        return self._processors[seq.request_id].delta(kept, finished=True)
 
     def pop_output(self, seq: Sequence) -> RequestOutput:
         """The final output of a finished request; forgets its text state."""
         processor = self._processors.pop(seq.request_id)
         completion = CompletionOutput(0, processor.text, list(seq.output_token_ids),
-                                      seq.finish_reason)
+                                      seq.finish_reason, processor.logprobs)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
                              [completion], finished=seq.status is Status.FINISHED)

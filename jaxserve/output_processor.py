@@ -25,6 +25,7 @@ class StreamDelta:
     new_text: str
     finished: bool
     finish_reason: str | None
+    new_logprobs: list[dict[int, float]] | None = None  # per new token, when requested
 
 
 class OutputProcessor:
@@ -35,6 +36,10 @@ class OutputProcessor:
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.text = ""  # final text so far (stop strings and stop tokens removed)
         self.emitted = 0  # characters of `text` already streamed
+        # Per generated token: {token id: log-probability} of it and the top `logprobs`.
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if seq.params.logprobs is not None else None)
+        self._logprobs_emitted = 0
         self._holdback = max((len(s) for s in seq.params.stop), default=1) - 1
 
     def add_tokens(self, tokens: list[int]) -> tuple[list[int], str | None]:
@@ -67,9 +72,26 @@ class OutputProcessor:
             return "length"
         return None
 
-    def take_delta(self, finished: bool) -> str:
-        """Text not yet streamed, holding back a possible stop-string start unless finished."""
+    def add_logprobs(self, result, row: int, count: int) -> None:
+        """Record log-probabilities of the first `count` samples of `row` (fields [S, K, ...])."""
+        top = self.seq.params.logprobs
+        for k in range(count):
+            token = int(result.tokens[row, k])
+            entry = {int(t): float(v) for t, v in zip(result.top_ids[row, k, :top],
+                                                       result.top_logprobs[row, k, :top])}
+            entry[token] = float(result.logprob[row, k])
+            self.logprobs.append(entry)
+
+    def delta(self, new_tokens: list[int], finished: bool) -> StreamDelta:
+        """What to stream now: new tokens, and the text not yet streamed, holding back a
+        possible stop-string start unless finished."""
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self._holdback)
-        delta = self.text[self.emitted:end]
+        text = self.text[self.emitted:end]
         self.emitted = end
-        return delta
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[self._logprobs_emitted:]
+            self._logprobs_emitted = len(self.logprobs)
+        seq = self.seq
+        return StreamDelta(seq.request_id, new_tokens, text, finished,
+                           seq.finish_reason if finished else None, logprobs)

@@ -13,6 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while still running
+    logprobs: list[dict[int, float]] | None = None  # per token: {id: log-prob}, if asked
 
 
 @dataclasses.dataclass

@@ -25,7 +25,8 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import allocate_kv_cache
 from jaxserve.model import LlamaModel
 from jaxserve.model.paged_attention import PagedAttention
-from jaxserve.sampler import SamplingArrays, sample
+from jaxserve.sampler import SampleResult, SamplingArrays, TokenCounts, sample_with_logprobs
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -60,7 +61,9 @@ class Runner:
                                     inp.cu_q_lens, inp.num_seqs)
         hidden, caches = model(inp.token_ids, inp.positions, caches, attention)  # [T, E]
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
-        return sample(logits, inp.sampling, inp.kv_lens), caches  # [S]
+        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
+                                          inp.sampling)
+        return sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts), caches
 
     def _decode(self, state, caches, inp: StepInput, num_steps):
         model = nnx.merge(self.graphdef, state)
@@ -69,33 +72,43 @@ class Runner:
         row = jnp.arange(rows)
         valid = row < inp.num_seqs[0]  # [S]
         cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
-        out = jnp.zeros((rows, self.config.num_decode_steps), jnp.int32)  # [S, K]
+        steps = self.config.num_decode_steps
+        out = SampleResult(  # [S, K] per field (+ [MAX_LOGPROBS] for the top lists)
+            tokens=jnp.zeros((rows, steps), jnp.int32),
+            logprob=jnp.zeros((rows, steps), jnp.float32),
+            top_ids=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.int32),
+            top_logprobs=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.float32))
         count = jnp.zeros((rows,), jnp.int32)
         done = ~valid | (inp.max_new <= 0)
+        vocab = self.model_config.vocab_size
+        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
 
         def cond(carry):
-            step, _, _, done, _, _, _ = carry
+            step, _, _, done, _, _, _, _ = carry
             return (step < num_steps) & ~jnp.all(done)
 
         def body(carry):
-            step, out, count, done, current, position, caches = carry
+            step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
             kv_lens = jnp.where(valid, position + 1, 0)
             attention = self._attention(slots, kv_lens, inp.page_indices, cu_q_lens,
                                         inp.num_seqs)
             hidden, caches = model(current, position, caches, attention)  # [S, E]
-            new = sample(model.logits(hidden), inp.sampling, position + 1)  # [S]
-            out = out.at[:, step].set(jnp.where(done, 0, new))
+            result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
+                                          counts)
+            new = result.tokens  # [S]
+            out = jax.tree.map(lambda buf, value: buf.at[:, step].set(value), out, result)
+            counts = counts.add(new, ~done)
             count = count + (~done).astype(jnp.int32)
             stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1) | (count >= inp.max_new)
             position = jnp.where(done, position, position + 1)
             current = jnp.where(done, current, new)
-            return step + 1, out, count, done | stopped, current, position, caches
+            return step + 1, out, count, done | stopped, current, position, counts, caches
 
-        carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, caches)
-        _, out, count, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
-        return out, count, caches  # [S, K], [S]
+        carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
+        _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
+        return out, count, caches  # SampleResult of [S, K], counts [S]
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
@@ -107,8 +120,11 @@ class Runner:
             cu_q_lens=i32(rows + 1), num_seqs=i32(1), logits_indices=i32(rows),
             sampling=SamplingArrays(temperature=f32(rows), top_k=i32(rows), top_p=f32(rows),
                                     min_p=f32(rows),
-                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32)),
-            max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS))
+                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                                    presence=f32(rows), frequency=f32(rows),
+                                    repetition=f32(rows)),
+            max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
+            history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
 
     def _program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         key = (kind, tokens, rows)
@@ -140,15 +156,16 @@ class Runner:
         self.warmed_up = True
 
     # ---- running ------------------------------------------------------------------------
-    def step(self, inp: StepInput) -> np.ndarray:
-        """One forward; returns the sampled token of every row `[S]`."""
+    def step(self, inp: StepInput) -> SampleResult:
+        """One forward; returns what every row sampled (numpy, fields `[S, ...]`)."""
         program = self._program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
-        tokens, self.caches = program(self.state, self.caches, inp)
-        return np.asarray(tokens)
+        result, self.caches = program(self.state, self.caches, inp)
+        return jax.device_get(result)
 
-    def decode(self, inp: StepInput, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to `num_steps` decode steps; returns tokens `[S, K]` and counts `[S]`."""
+    def decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, np.ndarray]:
+        """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`) and how many
+        each row produced `[S]`."""
         rows = inp.kv_lens.shape[0]
         program = self._program("decode", rows, rows)
         out, count, self.caches = program(self.state, self.caches, inp, np.int32(num_steps))
-        return np.asarray(out), np.asarray(count)
+        return jax.device_get((out, count))

@@ -1,9 +1,13 @@
 """On-device token sampling from per-row arrays.
 
 Every sampling setting is a row of an array, never a Python constant, so a batch that mixes
-greedy and sampled requests with different temperatures, top-k, top-p, min-p and seeds runs
-one compiled program. Randomness is keyed by (request seed, position of the sampled token),
-so a seeded request gives the same tokens however it is batched.
+greedy and sampled requests with different temperatures, top-k, top-p, min-p, penalties and
+seeds runs one compiled program. Randomness is keyed by (request seed, position of the sampled
+token), so a seeded request gives the same tokens however it is batched.
+
+Penalties need each row's token counts over the vocabulary (`TokenCounts`); they are built
+from the row's token history only when some row has a penalty, and the decode loop updates
+them with every token it samples.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +32,9 @@ class SamplingArrays:
     top_p: jax.Array  # [B] float32, 1 = off
     min_p: jax.Array  # [B] float32, 0 = off
     seed: jax.Array  # [B] uint32
+    presence: jax.Array  # [B] float32, 0 = off
+    frequency: jax.Array  # [B] float32, 0 = off
+    repetition: jax.Array  # [B] float32, 1 = off
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
@@ -46,7 +53,81 @@ class SamplingArrays:
             top_p=column((p.top_p for p in params), 1.0, np.float32),
             min_p=column((p.min_p for p in params), 0.0, np.float32),
             seed=column((s % 2**32 for s in seeds), 0, np.uint32),
+            presence=column((p.presence_penalty for p in params), 0.0, np.float32),
+            frequency=column((p.frequency_penalty for p in params), 0.0, np.float32),
+            repetition=column((p.repetition_penalty for p in params), 1.0, np.float32),
         )
+
+    def any_penalty(self) -> jax.Array:
+        return jnp.any((self.presence != 0) | (self.frequency != 0) | (self.repetition != 1))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenCounts:
+    """What each row has seen, for penalties."""
+
+    generated: jax.Array  # [B, V] int32, times each token was generated
+    seen: jax.Array  # [B, V] bool, token in the prompt or generated
+
+    @classmethod
+    def from_history(cls, history: jax.Array, prompt_lens: jax.Array, vocab: int,
+                     arrays: SamplingArrays) -> "TokenCounts":
+        """history `[B, L]` token ids (-1 padded), the first prompt_lens[b] of row b from its
+        prompt. All zeros, without the scatter, when no row has a penalty."""
+        rows, length = history.shape
+
+        def count():
+            valid = history >= 0  # [B, L]
+            ids = jnp.where(valid, history, 0)
+            row = jnp.arange(rows)[:, None]  # [B, 1]
+            is_generated = valid & (jnp.arange(length)[None, :] >= prompt_lens[:, None])
+            generated = jnp.zeros((rows, vocab), jnp.int32).at[row, ids].add(
+                is_generated.astype(jnp.int32))
+            seen = jnp.zeros((rows, vocab), jnp.bool_).at[row, ids].max(valid)
+            return cls(generated, seen)
+
+        def empty():
+            return cls(jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows, vocab), jnp.bool_))
+
+        return jax.lax.cond(arrays.any_penalty(), count, empty)
+
+    def add(self, tokens: jax.Array, mask: jax.Array) -> "TokenCounts":
+        """Count `tokens [B]` where `mask [B]`."""
+        row = jnp.arange(tokens.shape[0])
+        return TokenCounts(self.generated.at[row, tokens].add(mask.astype(jnp.int32)),
+                           self.seen.at[row, tokens].max(mask))
+
+
+def apply_penalties(logits: jax.Array, arrays: SamplingArrays,
+                    counts: TokenCounts) -> jax.Array:
+    """vLLM's penalties on `[B, V]` float32 logits."""
+    rep = arrays.repetition[:, None]  # [B, 1]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(counts.seen, penalized, logits)
+    logits = logits - arrays.frequency[:, None] * counts.generated
+    return logits - arrays.presence[:, None] * (counts.generated > 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleResult:
+    """Chosen tokens with their log-probabilities under the model's raw distribution."""
+
+    tokens: jax.Array  # [B] int32
+    logprob: jax.Array  # [B] float32
+    top_ids: jax.Array  # [B, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [B, MAX_LOGPROBS] float32
+
+
+def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: jax.Array,
+                         counts: TokenCounts) -> SampleResult:
+    """Penalties, then `sample`; log-probabilities come from the unpenalized logits."""
+    tokens = sample(apply_penalties(logits, arrays, counts), arrays, positions)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def _filtered_sample(logits: jax.Array, arrays: SamplingArrays,

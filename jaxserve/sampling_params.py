@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LOGPROBS = 20  # top log-probabilities computed on device per token
+
 
 @dataclasses.dataclass
 class SamplingParams:
     """Decoding settings of one request.
 
-    temperature 0 is greedy. top_k -1 (or 0) means the whole vocabulary; top_p 1.0 and min_p 0.0
+    temperature 0 is greedy. Penalties follow vLLM: presence and frequency penalties count
+    generated tokens, the repetition penalty (divide positive logits, multiply negative ones)
+    every token seen, prompt included. `logprobs` N returns, per generated token, its
+    log-probability and the N most likely tokens' (of the model's raw distribution). top_k -1 (or 0) means the whole vocabulary; top_p 1.0 and min_p 0.0
     disable those filters. `stop` strings end the text before the string; `stop_token_ids` and
     the model's eos end it after the token (eos unless `ignore_eos`). `seed` makes sampling
     reproducible: the same seed and prompt give the same tokens whatever else is batched.
@@ -28,6 +33,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         _check_number("temperature", self.temperature, low=0.0)
@@ -40,6 +49,15 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0,
+                      low_open=True)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got "
+                                 f"{self.logprobs}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if isinstance(self.stop, str):
@@ -52,8 +70,9 @@ class SamplingParams:
             _check_int("stop_token_ids", token)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _check_int(name: str, value) -> None:

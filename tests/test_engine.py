@@ -163,3 +163,51 @@ def test_pallas_kernel_backend_equals_reference_backend(tmp_path):
         results.append([seqs[f"r{i}"].output_token_ids for i in range(2)])
     assert results[0] == results[1]
     assert np.all([len(r) == 6 for r in results[0]])
+
+
+def _penalized_greedy(model, prompt, params, steps):
+    """numpy reference: teacher-forced dense logits, vLLM's penalties, argmax."""
+    dense = DenseGenerator(model)
+    tokens = list(prompt)
+    for _ in range(steps):
+        logits = dense.logits([tokens])[0][-1].astype(np.float64)  # [V]
+        generated = np.bincount(tokens[len(prompt):], minlength=logits.size)
+        seen = np.bincount(tokens, minlength=logits.size) > 0
+        rep = params.repetition_penalty
+        logits = np.where(seen, np.where(logits > 0, logits / rep, logits * rep), logits)
+        logits -= params.frequency_penalty * generated + params.presence_penalty * (generated > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+def test_penalties_match_a_numpy_reference_in_step_and_decode_loop(model, folder):
+    prompt = [0, 9, 9, 10, 11, 9]
+    cases = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kw) for kw in (
+        dict(repetition_penalty=1.8), dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0, repetition_penalty=0.7))]
+    engine = make_engine(model, folder, num_decode_steps=4)
+    seqs, _ = run_to_completion(engine, {0: [(f"r{i}", prompt, p) for i, p in enumerate(cases)]})
+    plain = dense_reference(model, [prompt], [SamplingParams(temperature=0, max_tokens=10,
+                                                              ignore_eos=True)], [0])[0]
+    for i, params in enumerate(cases):
+        expected = _penalized_greedy(model, prompt, params, 10)
+        assert seqs[f"r{i}"].output_token_ids == expected
+        assert expected != plain  # the penalty changed something
+
+
+def test_logprobs_are_the_models_log_softmax(model, folder):
+    engine = make_engine(model, folder)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    seqs, deltas = run_to_completion(engine, {0: [("r", [0, 5, 6, 7], params)]})
+    out = engine.pop_output(seqs["r"]).outputs[0]
+    streamed = [lp for d in deltas for lp in (d.new_logprobs or [])]
+    assert streamed == out.logprobs and len(out.logprobs) == 6
+    logits = DenseGenerator(model).logits([[0, 5, 6, 7] + out.token_ids])[0]
+    reference = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+        -1, keepdims=True)) - logits.max(-1, keepdims=True)  # [L, V] log-softmax
+    for k, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = reference[3 + k]
+        top3 = np.argsort(-row)[:3]
+        assert set(entry) == set(top3.tolist()) and token == top3[0]
+        for t, value in entry.items():
+            assert abs(value - row[t]) < 1e-4
