@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
+from typing import Callable
 
 from jaxserve.sequence import Sequence
 
@@ -27,6 +27,37 @@ class StepRecord:
     duration: float
 
 
+@dataclasses.dataclass
+class RequestStats:
+    """Latencies and token counts of one finished request (seconds; None if not reached)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+    queue_time: float | None
+    time_to_first_token: float | None
+    e2e_request_latency: float | None
+    time_per_output_token: float | None
+    inter_token_latencies: list[float]
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestStats":
+        t = seq.times
+        since_arrival = lambda mark: None if mark is None else mark - t.arrival  # noqa: E731
+        return cls(
+            finish_reason=seq.finish_reason or "abort",
+            prompt_tokens=len(seq.prompt_token_ids),
+            generation_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.num_cached_tokens,
+            queue_time=since_arrival(t.first_scheduled),
+            time_to_first_token=since_arrival(t.first_token),
+            e2e_request_latency=since_arrival(t.finished),
+            time_per_output_token=(sum(t.inter_token) / len(t.inter_token)
+                                   if t.inter_token else None),
+            inter_token_latencies=list(t.inter_token))
+
+
 class EngineMetrics:
     """Thread-safe record of requests and steps."""
 
@@ -37,7 +68,7 @@ class EngineMetrics:
         self.observations: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=MAX_OBSERVATIONS))
         self.last_step: StepRecord | None = None
-        self.started = time.monotonic()
+        self._listeners: list[Callable[[RequestStats], None]] = []
 
     def record_step(self, record: StepRecord) -> None:
         with self._lock:
@@ -46,26 +77,29 @@ class EngineMetrics:
             self.observations["step_num_seqs"].append(record.num_seqs)
             self.observations["step_num_tokens"].append(record.num_tokens)
 
+    def add_listener(self, listener: Callable[[RequestStats], None]) -> None:
+        """Call `listener` (on the engine thread) with the stats of every finished request."""
+        self._listeners.append(listener)
+
     def record_finished(self, seq: Sequence) -> None:
         """Fold a finished request into the counters and latency series."""
-        times = seq.times
+        stats = RequestStats.of(seq)
         with self._lock:
-            self.finished_by_reason[seq.finish_reason or "abort"] += 1
-            self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
-            self.counters["generation_tokens"] += len(seq.output_token_ids)
-            self.counters["prefix_cached_tokens"] += seq.num_cached_tokens
+            self.finished_by_reason[stats.finish_reason] += 1
+            self.counters["prompt_tokens"] += stats.prompt_tokens
+            self.counters["generation_tokens"] += stats.generation_tokens
+            self.counters["prefix_cached_tokens"] += stats.cached_tokens
             obs = self.observations
-            if times.first_scheduled is not None:
-                obs["queue_time"].append(times.first_scheduled - times.arrival)
-            if times.first_token is not None:
-                obs["time_to_first_token"].append(times.first_token - times.arrival)
-            obs["inter_token_latency"].extend(times.inter_token)
-            if times.finished is not None:
-                obs["e2e_request_latency"].append(times.finished - times.arrival)
-            if times.inter_token:
-                obs["time_per_output_token"].append(sum(times.inter_token) / len(times.inter_token))
-            obs["request_prompt_tokens"].append(len(seq.prompt_token_ids))
-            obs["request_generation_tokens"].append(len(seq.output_token_ids))
+            for name in ("queue_time", "time_to_first_token", "e2e_request_latency",
+                         "time_per_output_token"):
+                value = getattr(stats, name)
+                if value is not None:
+                    obs[name].append(value)
+            obs["inter_token_latency"].extend(stats.inter_token_latencies)
+            obs["request_prompt_tokens"].append(stats.prompt_tokens)
+            obs["request_generation_tokens"].append(stats.generation_tokens)
+        for listener in self._listeners:
+            listener(stats)
 
     def snapshot(self) -> dict:
         """A consistent copy for readers on other threads."""

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible HTTP server (FastAPI).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
+server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (503 until the
+model is loaded and warmed up), `GET /metrics` (Prometheus). Errors use OpenAI's JSON shape
+and name the bad field. The model loads on a background thread after the socket is open, so
+orchestrators see the process alive while `/health` says whether it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxserve.server import handlers
+from jaxserve.server.async_engine import QueueFullError
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from jaxserve.server.state import ServerState
+
+log = logging.getLogger("jaxserve.server")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 error_type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.error_type, self.code, self.headers = error_type, code, headers
+
+
+def _error(status, message, param=None, error_type="invalid_request_error", code=None,
+           headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status,
+                        headers=headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI application serving `state`'s model."""
+    app = FastAPI(title="jaxserve", lifespan=state.lifespan)
+    app.state.jaxserve = state
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of "
+                               f"{state.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        return _error(400, f"{param}: {message}" if param else message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), error_type="not_found_error"
+                      if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return _error(exc.status, exc.message, exc.param, exc.error_type, exc.code, exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(request: Request, exc: QueueFullError):
+        return _error(429, str(exc), error_type="rate_limit_error",
+                      headers={"Retry-After": "1"})
+
+    def check_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           error_type="authentication_error", code="invalid_api_key")
+
+    def ready_engine():
+        if not state.ready:
+            raise APIError(503, state.not_ready_reason(), error_type="service_unavailable")
+        return state
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in state.model_names:
+            raise APIError(404, f"The model `{name}` does not exist; served: "
+                                f"{state.model_names}", "model", code="model_not_found")
+
+    v1 = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health():
+        if not state.ready:
+            return _error(503, state.not_ready_reason(), error_type="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if not state.ready:
+            return Response(b"", media_type="text/plain; version=0.0.4")
+        return Response(state.prometheus.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+             "max_model_len": state.max_model_len} for name in state.model_names]}
+
+    async def run(request: Request, body, build: Callable):
+        check_model(body.model)
+        served = ready_engine()
+        try:
+            job = build(served, body)
+        except ValueError as err:
+            raise APIError(400, str(err), handlers.param_of(err)) from None
+        if body.stream:
+            return StreamingResponse(job.sse(), media_type="text/event-stream")
+        return JSONResponse(await _unless_disconnected(request, job.collect()))
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(request: Request, body: CompletionRequest):
+        return await run(request, body, handlers.CompletionJob)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await run(request, body, handlers.ChatJob)
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            break
+    return await task

@@ -1,0 +1,146 @@
+"""Runs the engine on a background thread and streams its outputs to asyncio handlers.
+
+The engine is single-threaded: one thread calls `engine.step()` in a loop while requests
+exist. HTTP handlers submit requests and aborts through the engine's thread-safe inbox and
+read their `StreamDelta`s from an `asyncio.Queue` fed with `call_soon_threadsafe`. A handler
+that stops listening (client disconnected) aborts its request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Callable
+
+from jaxserve.engine import Engine
+from jaxserve.output_processor import StreamDelta
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sequence import Sequence
+
+log = logging.getLogger("jaxserve.server")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server accepts; the client should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the request cannot complete."""
+
+
+class AsyncEngine:
+    """Bridges the engine thread and asyncio request handlers."""
+
+    def __init__(self, engine: Engine, max_waiting: int,
+                 on_step: Callable[[list[StreamDelta]], None] | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step  # called on the engine thread after every step
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sequences: dict[str, Sequence] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread (after the server drained its requests)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._sequences)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception:  # noqa: BLE001 - a failed step must not kill the server silently
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all()
+                continue
+            if self.on_step is not None:
+                self.on_step(deltas)
+            for delta in deltas:
+                self._deliver(delta)
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        with self._lock:
+            target = self._streams.get(delta.request_id)
+            orphan = None
+            if target is None and delta.finished:  # its reader left: nobody will collect it
+                orphan = self._sequences.pop(delta.request_id, None)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        elif orphan is not None:
+            self.engine.pop_output(orphan)
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            targets = list(self._streams.items())
+        for request_id, (loop, queue) in targets:
+            self.engine.abort(request_id)
+            loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError("engine step failed"))
+
+    # ---- handler side -------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None) -> Sequence:
+        """Validate and queue a request (raises ValueError / QueueFullError); call from the
+        event loop, then iterate `stream(request_id)`."""
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting >= self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are waiting; retry later")
+        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)
+        with self._lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+            self._sequences[request_id] = seq
+        self.engine.enqueue(seq)
+        self._wake.set()
+        return seq
+
+    async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
+        """Deltas of a submitted request until it finishes. Leaving early (the client went
+        away, the handler was cancelled) aborts the request."""
+        with self._lock:
+            _, queue = self._streams[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a submitted request that will not be streamed."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def result(self, request_id: str) -> RequestOutput:
+        """Final output of a finished request (forgets it)."""
+        with self._lock:
+            seq = self._sequences.pop(request_id)
+        return self.engine.pop_output(seq)

@@ -1,0 +1,275 @@
+"""One API request turned into engine requests ("choices") and back into OpenAI bodies.
+
+A job submits `n` choices per prompt (`request_id` = job id + choice index), then either
+collects them into one JSON body or streams them as server-sent events. Cancelling the job
+(client gone) ends every choice's stream, which aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any, AsyncIterator
+
+from jaxserve.output_processor import StreamDelta
+from jaxserve.outputs import CompletionOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, new_id,
+                                      now)
+
+REQUEST_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "prompt", "messages", "max_completion_tokens", "n", "echo", "top_logprobs"}
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def param_of(err: ValueError) -> str | None:
+    """The request field a validation message is about (messages start with the field)."""
+    head = str(err).split(" ", 1)[0].rstrip(":")
+    if head.startswith("prompts["):
+        return "prompt"
+    return head if head in REQUEST_FIELDS else None
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_tokens: int
+    logprobs: int | None
+
+
+class Job:
+    """Shared machinery of completion and chat jobs."""
+
+    object_name = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, state, body):
+        self.state, self.body = state, body
+        self.engine = state.engine
+        self.tokenizer = state.llm.tokenizer
+        self.max_model_len = state.max_model_len
+        self.id = new_id(self.id_prefix)
+        self.created = now()
+        self.model = body.model or state.model_names[0]
+        self.choices: list[Choice] = []
+        try:
+            for prompt_index, (text, ids) in enumerate(self.prompts()):
+                max_tokens = self.max_tokens(len(ids))
+                for j in range(body.n):
+                    self._submit(prompt_index * body.n + j, text, ids, max_tokens, j)
+        except Exception:
+            for choice in self.choices:
+                self.engine.cancel(choice.request_id)
+            raise
+
+    def prompts(self) -> list[tuple[str | None, list[int]]]:
+        raise NotImplementedError
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def logprobs_count(self) -> int | None:
+        raise NotImplementedError
+
+    def max_tokens(self, prompt_len: int) -> int:
+        """The choice's token limit; a prompt that leaves no room is an error, as in OpenAI."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"prompt has {prompt_len} tokens; this model's maximum context "
+                             f"length is {self.max_model_len}")
+        wanted = self.requested_max_tokens()
+        if wanted is None:
+            return room
+        if wanted > room:
+            raise ValueError(f"max_tokens ({wanted}) plus the prompt ({prompt_len} tokens) "
+                             f"exceeds this model's maximum context length "
+                             f"({self.max_model_len})")
+        return wanted
+
+    def _submit(self, index: int, text, ids, max_tokens: int, j: int) -> None:
+        logprobs = self.logprobs_count()
+        params = self.body.sampling_params(max_tokens, logprobs, j)
+        request_id = f"{self.id}-{index}"
+        self.engine.submit(request_id, ids, params, text)
+        self.choices.append(Choice(index, request_id, len(ids), logprobs))
+
+    # ---- bodies -------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
+
+    def choice_body(self, choice: Choice, output: CompletionOutput) -> dict:
+        raise NotImplementedError
+
+    def delta_body(self, choice: Choice, delta: StreamDelta, first: bool) -> dict | None:
+        raise NotImplementedError
+
+    def usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(c.prompt_tokens for c in self.choices[::self.body.n])
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens).model_dump()
+
+    async def collect(self) -> dict:
+        """Run every choice to the end; one JSON body."""
+        async def finish(choice: Choice):
+            async for _ in self.engine.stream(choice.request_id):
+                pass
+            return self.engine.result(choice.request_id).outputs[0]
+
+        outputs = await asyncio.gather(*(finish(c) for c in self.choices))
+        choices = [self.choice_body(c, out) for c, out in zip(self.choices, outputs)]
+        return {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": self.usage(sum(len(o.token_ids) for o in outputs))}
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events of every choice, interleaved as tokens arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice):
+            try:
+                async for delta in self.engine.stream(choice.request_id):
+                    await queue.put((choice, delta))
+                self.engine.result(choice.request_id)
+            except Exception as err:  # noqa: BLE001 - reported in the stream
+                await queue.put((choice, err))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        started, remaining, generated = set(), len(self.choices), 0
+        try:
+            while remaining:
+                choice, delta = await queue.get()
+                if isinstance(delta, Exception):
+                    yield _event({"error": {"message": str(delta), "type": "server_error"}})
+                    remaining -= 1
+                    continue
+                generated += len(delta.new_token_ids)
+                body = self.delta_body(choice, delta, choice.index not in started)
+                started.add(choice.index)
+                remaining -= delta.finished
+                if body is not None:
+                    chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                             "model": self.model, "choices": [body]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _event(chunk)
+            if include_usage:
+                yield _event({"id": self.id, "object": self.chunk_object,
+                              "created": self.created, "model": self.model, "choices": [],
+                              "usage": self.usage(generated)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class CompletionJob(Job):
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+    body: CompletionRequest
+
+    def prompts(self):
+        prompt = self.body.prompt
+        if self.body.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        out = []
+        for item in prompt:
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError("prompt is empty")
+                if self.tokenizer is None:
+                    raise ValueError("prompt must be token ids: this model has no tokenizer")
+                out.append((item, self.tokenizer.encode(item)))
+            else:
+                out.append((None, list(item)))
+        return out
+
+    def requested_max_tokens(self):
+        return self.body.max_tokens or DEFAULT_COMPLETION_TOKENS
+
+    def logprobs_count(self):
+        return self.body.logprobs
+
+    def _logprobs(self, token_ids: list[int], entries) -> dict | None:
+        if entries is None:
+            return None
+        return {"tokens": [self.token_text(t) for t in token_ids],
+                "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in entries],
+                "text_offset": []}
+
+    def choice_body(self, choice, output):
+        return {"index": choice.index, "text": output.text,
+                "finish_reason": output.finish_reason,
+                "logprobs": self._logprobs(output.token_ids, output.logprobs)}
+
+    def delta_body(self, choice, delta, first):
+        if not delta.new_text and not delta.finished and delta.new_logprobs is None:
+            return None
+        logprobs = (self._logprobs(delta.new_token_ids, delta.new_logprobs)
+                    if delta.new_logprobs is not None else None)
+        return {"index": choice.index, "text": delta.new_text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+
+class ChatJob(Job):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    body: ChatCompletionRequest
+
+    def prompts(self):
+        if self.tokenizer is None:
+            raise ValueError("messages need a chat template: this model has no tokenizer")
+        messages = [m.as_template_message() for m in self.body.messages]
+        text = self.tokenizer.apply_chat_template(messages)
+        return [(text, self.tokenizer.encode(text, add_special_tokens=False))]
+
+    def requested_max_tokens(self):
+        return self.body.max_completion_tokens or self.body.max_tokens
+
+    def logprobs_count(self):
+        return (self.body.top_logprobs or 0) if self.body.logprobs else None
+
+    def _logprobs(self, token_ids, entries) -> dict | None:
+        if entries is None:
+            return None
+        top = self.body.top_logprobs or 0
+        content = []
+        for token, entry in zip(token_ids, entries):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            content.append({
+                "token": self.token_text(token), "logprob": entry[token],
+                "bytes": list(self.token_text(token).encode()),
+                "top_logprobs": [{"token": self.token_text(k), "logprob": v,
+                                  "bytes": list(self.token_text(k).encode())} for k, v in ranked]})
+        return {"content": content}
+
+    def choice_body(self, choice, output):
+        return {"index": choice.index,
+                "message": {"role": "assistant", "content": output.text},
+                "logprobs": self._logprobs(output.token_ids, output.logprobs),
+                "finish_reason": output.finish_reason}
+
+    def delta_body(self, choice, delta, first):
+        message = {"role": "assistant", "content": delta.new_text} if first else (
+            {"content": delta.new_text} if delta.new_text else {})
+        if not message and not delta.finished and delta.new_logprobs is None:
+            return None
+        logprobs = (self._logprobs(delta.new_token_ids, delta.new_logprobs)
+                    if delta.new_logprobs is not None else None)
+        return {"index": choice.index, "delta": message, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}

@@ -1,0 +1,79 @@
+"""What the server holds: the model (loaded on a background thread), the engine bridge,
+metrics, and the request limits."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from jaxserve.llm import LLM
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.prometheus import PrometheusMetrics
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    """Server-level settings (the engine's are `engine_options`)."""
+
+    model: str
+    served_model_name: list[str] | None = None
+    dtype: str = "auto"
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_waiting_requests: int = 1024
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class ServerState:
+    """Shared by every request handler."""
+
+    def __init__(self, options: ServerOptions,
+                 load: Callable[[ServerOptions], LLM] | None = None):
+        self.options = options
+        self.api_key = options.api_key
+        self.max_body_bytes = options.max_body_bytes
+        self.model_names = options.served_model_name or [options.model]
+        self.created = int(time.time())
+        self._load = load or (lambda o: LLM(o.model, dtype=o.dtype, **o.engine_options))
+        self.llm: LLM | None = None
+        self.engine: AsyncEngine | None = None
+        self.prometheus: PrometheusMetrics | None = None
+        self.load_error: str | None = None
+        self.ready = False
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.llm.engine_config.max_model_len if self.llm else None
+
+    def not_ready_reason(self) -> str:
+        if self.load_error:
+            return f"model failed to load: {self.load_error}"
+        return "model is loading and compiling; retry shortly"
+
+    def load(self) -> None:
+        """Load the model, warm up, start the engine thread (runs on a loader thread)."""
+        try:
+            self.llm = self._load(self.options)
+            self.prometheus = PrometheusMetrics(self.llm.engine, self.model_names[0])
+            self.engine = AsyncEngine(self.llm.engine, self.options.max_waiting_requests)
+            self.engine.start()
+            self.ready = True
+            log.info("model ready: %s", self.model_names[0])
+        except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
+            log.exception("model failed to load")
+            self.load_error = str(err)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        loader = threading.Thread(target=self.load, name="jaxserve-loader", daemon=True)
+        loader.start()
+        yield
+        self.ready = False
+        if self.engine is not None:
+            self.engine.stop()
