@@ -1,43 +1,136 @@
-"""The `jaxserve` command line.
+"""The `jaxserve` command line: `serve`, `generate`, `bench serve`, `convert`.
 
-    jaxserve generate "Once upon a time" --model PATH --max-tokens 64
-    jaxserve --version
+    jaxserve serve [--model PATH] [--config PRESET.toml] [--host 127.0.0.1] [--port 8000]
+    jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
+    jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+    jaxserve convert --model HF_DIR --out CKPT_DIR
 
-Options are named as vLLM users know them.
+Options are named as vLLM users know them. Settings come from, in rising priority: the
+built-in defaults (the `cpu` preset on CPU), `--config FILE`, then flags given explicitly.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from jaxserve import __version__
 
+# flag dest → engine option; only flags the user actually gives override the preset
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
+                "tensor_parallel_size", "data_parallel_size")
+
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="parameter dtype (auto: the checkpoint's, float16 → bfloat16)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's limit)")
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder or jaxserve orbax checkpoint "
+                             "(default: the small model shipped with jaxserve)")
+    parser.add_argument("--config", default=None,
+                        help="deployment preset (TOML, see tpu_configs/ and gpu_configs/)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=None)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    parser.add_argument("--num-decode-steps", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off automatic prefix caching")
+    parser.add_argument("--strict-compile", action="store_true",
+                        help="raise instead of compiling after warm-up")
+
+
+def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str, dict]:
+    """(model path, dtype, engine options) from the preset and the flags."""
+    import jax
+
+    from jaxserve.presets import CPU_PRESET, load_preset
+
+    preset_path = args.config or (CPU_PRESET if jax.default_backend() == "cpu" else None)
+    options, dtype = {}, "auto"
+    if preset_path is not None:
+        preset = load_preset(preset_path)
+        options.update(preset.engine_options)
+        dtype = preset.dtype or dtype
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = value
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.strict_compile:
+        options["strict_compile"] = True
+    return args.model or default_model_dir(), args.dtype or dtype, options
+
+
+def default_model_dir() -> str:
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxserve import multihost
+    from jaxserve.server.app import create_app
+    from jaxserve.server.state import ServerOptions, ServerState
+
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    model, dtype, options = resolve_model_settings(args)
+    if not multihost.is_leader():
+        from jaxserve.llm import LLM
+
+        LLM(model, dtype=dtype, **options).engine.run_follower()
+        return 0
+    state = ServerState(ServerOptions(
+        model=model, served_model_name=args.served_model_name, dtype=dtype,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests, engine_options=options))
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    model, dtype, options = resolve_model_settings(args)
+    llm = LLM(model, dtype=dtype, **options)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
     if args.chat:
-        output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
-        output = llm.generate(args.prompt, params)[0]
-    completion = output.outputs[0]
-    print(completion.text)
-    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
+        ids = llm.tokenizer.encode(args.prompt)
+        print(args.prompt, end="", flush=True)
+    engine = llm.engine
+    seq = engine.add_request("cli", ids, params, args.prompt)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            print(delta.new_text, end="", flush=True)
+    print()
+    print(f"[{len(seq.output_token_ids)} tokens, finish_reason={seq.finish_reason}]",
           file=sys.stderr)
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxserve.checkpoint import convert
+
+    convert(args.model, args.out)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from jaxserve.bench.serve_bench import run_from_args
+
+    return run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="generate a completion for one prompt")
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model path)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="beyond this many queued requests answer 429")
+    serve.add_argument("--drain-timeout", type=int, default=300,
+                       help="seconds to let in-flight requests finish after SIGTERM")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--coordinator-address", default=None,
+                       help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
+    serve.add_argument("--num-processes", type=int, default=None)
+    serve.add_argument("--process-id", type=int, default=None)
+    serve.set_defaults(handler=_serve)
+
+    generate = commands.add_parser("generate", help="stream a completion of one prompt")
     generate.add_argument("prompt", help="the prompt text")
     _add_model_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
@@ -56,11 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true",
                           help="wrap the prompt as a user message in the chat template")
     generate.set_defaults(handler=_generate)
+
+    convert = commands.add_parser("convert", help="write an orbax checkpoint of an HF folder")
+    convert.add_argument("--model", required=True, help="Hugging Face model folder")
+    convert.add_argument("--out", required=True, help="checkpoint folder to create")
+    convert.set_defaults(handler=_convert)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    from jaxserve.bench.serve_bench import add_arguments
+
+    bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(handler=_bench_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         return args.handler(args)
     except ValueError as err:

@@ -1,0 +1,1 @@
+"""Benchmarks: `jaxserve bench serve` (HTTP load test)."""

@@ -1,0 +1,83 @@
+"""Deployment presets: TOML files that fix a mesh, dtype, KV-cache and batching settings for
+one kind of hardware (`tpu_configs/`, `gpu_configs/` at the repository root; `cpu.toml`
+here, used by default on CPU).
+
+    [hardware]  platform = "tpu" | "gpu" | "cpu", devices = chips the preset expects
+    [mesh]      tensor_parallel_size, data_parallel_size
+    [model]     dtype, max_model_len
+    [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching
+    [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
+                seq_buckets
+
+Every field is checked when the file is read: an unknown section or field, a wrong type, or
+a mesh that does not fit the declared devices is a `ValueError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+CPU_PRESET = Path(__file__).with_name("cpu.toml")
+PLATFORMS = ("tpu", "gpu", "cpu")
+
+# section → field → accepted type(s)
+SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hardware": {"platform": str, "devices": int},
+    "mesh": {"tensor_parallel_size": int, "data_parallel_size": int},
+    "model": {"dtype": str, "max_model_len": int},
+    "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
+                 "enable_prefix_caching": bool},
+    "batching": {"max_num_seqs": int, "max_num_batched_tokens": int, "num_decode_steps": int,
+                 "token_buckets": list, "seq_buckets": list},
+}
+
+
+@dataclasses.dataclass
+class Preset:
+    """A validated preset: what to run on, the dtype, and the engine options."""
+
+    path: Path
+    platform: str
+    devices: int
+    dtype: str | None
+    engine_options: dict[str, Any]
+
+
+def load_preset(path: str | Path) -> Preset:
+    """Read and validate one preset file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {path.name}: invalid TOML: {err}") from None
+    values: dict[str, Any] = {}
+    for section, fields in data.items():
+        if section not in SCHEMA:
+            raise ValueError(f"{path.name}: unknown section [{section}]; known: {list(SCHEMA)}")
+        for name, value in fields.items():
+            expected = SCHEMA[section].get(name)
+            if expected is None:
+                raise ValueError(f"{path.name}: unknown field {section}.{name}")
+            if isinstance(value, bool) and expected is not bool:
+                raise ValueError(f"{path.name}: {section}.{name} must not be a boolean")
+            if not isinstance(value, expected):
+                raise ValueError(f"{path.name}: {section}.{name} has the wrong type "
+                                 f"({type(value).__name__})")
+            values[name] = tuple(value) if isinstance(value, list) else value
+    platform = values.pop("platform", None)
+    devices = values.pop("devices", None)
+    if platform not in PLATFORMS:
+        raise ValueError(f"{path.name}: hardware.platform must be one of {PLATFORMS}")
+    if devices is None or devices < 1:
+        raise ValueError(f"{path.name}: hardware.devices must be a positive integer")
+    mesh = values.get("tensor_parallel_size", 1) * values.get("data_parallel_size", 1)
+    if devices % mesh:
+        raise ValueError(f"{path.name}: mesh tensor_parallel_size x data_parallel_size = {mesh} "
+                         f"does not divide the {devices} declared devices")
+    dtype = values.pop("dtype", None)
+    return Preset(path, platform, devices, dtype, values)
