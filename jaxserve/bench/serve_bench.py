@@ -2,7 +2,7 @@
 
 Requests go to `/v1/completions` with `stream: true`, at a Poisson rate (`--request-rate`) or
 all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
-[100, 1000) (valid for any real vocabulary) with lengths drawn around `--input-len`; every
+`--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths drawn around `--input-len`; every
 request asks for exactly `--output-len` tokens (`ignore_eos`). Reports completed/failed,
 request and token throughput, TTFT, TPOT (per request, excluding the first token), ITL
 (between streamed chunks) and end-to-end latency as mean/p50/p90/p99, and goodput: requests
@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-std", type=float, default=0.0,
                         help="standard deviation of prompt lengths (normal, clipped at 1)")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-token-range", type=int, nargs=2, default=(100, 1000),
+                        metavar=("LOW", "HIGH"), help="prompt token ids are drawn from [LOW, HIGH)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
@@ -103,7 +105,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             model = response.json()["data"][0]["id"]
         lengths = np.maximum(1, rng.normal(args.input_len, args.input_len_std,
                                            args.num_prompts).round().astype(int))
-        bodies = [{"model": model, "prompt": rng.integers(100, 1000, n).tolist(),
+        low, high = args.prompt_token_range
+        bodies = [{"model": model, "prompt": rng.integers(low, high, n).tolist(),
                    "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0,
                    "stream": True, "stream_options": {"include_usage": True}}
                   for n in lengths]

@@ -26,7 +26,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 def param_of(err: ValueError) -> str | None:
     """The request field a validation message is about (messages start with the field)."""
     head = str(err).split(" ", 1)[0].rstrip(":")
-    if head.startswith("prompts["):
+    if head.startswith("prompt"):  # prompt, prompts[i], prompt_token_ids
         return "prompt"
     return head if head in REQUEST_FIELDS else None
 

@@ -1,0 +1,54 @@
+"""Run a real jaxserve HTTP server on 127.0.0.1 inside a test (uvicorn on a thread)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from jaxserve.server.app import create_app
+from jaxserve.server.state import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ThreadedServer:
+    """uvicorn serving `create_app(state)` on a background thread."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, ready_timeout: float = 300.0) -> "ThreadedServer":
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "server did not start")
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, timeout,
+                   f"model did not become ready: {self.state.not_ready_reason()}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def wait_until(condition, timeout: float, message: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(message)
