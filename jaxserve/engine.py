@@ -5,18 +5,41 @@ under the token budget → the batcher pads it to a bucket → the runner execut
 program → sampled tokens come back in one host copy → stop checks, detokenization and page
 bookkeeping → one `StreamDelta` per request that moved. `add_request` and `abort` are safe to
 call from other threads (the server's); `step()` runs on one thread.
+
+Devices. The engine builds the `("data", "model")` mesh from `tensor_parallel_size` and
+`data_parallel_size` and places the model on it by the partition rules (`shard_model`; a
+no-op when `LLM` already loaded it sharded). Data parallelism is a set of independent
+replicas, one per `(1, tp)` sub-mesh, each with its own scheduler, page pool, KV cache and
+compiled programs; a new request joins the least-loaded replica, and each `step()` dispatches
+every busy replica before fetching any result, so they run concurrently. Why replicas
+rather than one program with the batch split across "data": a paged cache is a pool of pages
+that any sequence may use, and splitting it across "data" would need per-shard pools inside
+one scheduler and every step padded to the busiest shard; replicas keep the scheduler, the
+allocator and the kernels unchanged, never wait for one another, and the weights cost
+nothing extra (each replica's weights are views of the same device buffers). `scheduler`,
+`allocator` and `runner` are replica 0's; `replicas` lists them all.
+
+Multi-host (see `jaxserve.multihost`): process 0 schedules and broadcasts each step's input
+before running it; other processes call `run_follower()`, which runs the same programs until
+the leader's `shutdown()`.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import queue
 import time
 from typing import Iterable
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
-from jaxserve.batcher import build_step_input
+import sharding
+from jaxserve import multihost
+from jaxserve.batcher import StepInput, build_step_input
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import choose_num_pages
@@ -31,6 +54,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence, Status
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights import shard_model
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:
@@ -53,27 +77,68 @@ def attention_backend_for(config: EngineConfig) -> str | None:
     return None  # the kernels pick their backend at lowering time
 
 
+def engine_mesh(config: EngineConfig) -> Mesh:
+    """The `(data_parallel_size, tensor_parallel_size)` mesh over all processes' devices."""
+    if config.data_parallel_size > 1 and multihost.is_multiprocess():
+        raise ValueError("data_parallel_size > 1 is not supported across several processes; "
+                         "use tensor_parallel_size over all hosts' devices")
+    return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+
+
+def _on_mesh(model: LlamaModel, mesh: Mesh) -> LlamaModel:
+    """A replica's model: the same device buffers, viewed on its sub-mesh."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: sharding.restrict_to(a, mesh), state))
+
+
+@dataclasses.dataclass
+class Replica:
+    """One data-parallel replica: a page pool, its scheduler and a runner on a sub-mesh."""
+
+    allocator: PageAllocator
+    scheduler: Scheduler
+    runner: Runner
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
 class Engine:
     """Serves many requests at once on one model."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: Tokenizer | None,
                  eos_token_ids: Iterable[int], progress: bool = True):
         self.config = config
-        self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         enable_compilation_cache(config)
+        self.mesh = engine_mesh(config)
+        model = shard_model(model, self.mesh)
+        self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
         dtype = model.embed[...].dtype
-        self.num_pages = choose_num_pages(model.config, config, dtype)
-        self.allocator = PageAllocator(self.num_pages, config.page_size,
-                                       config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.allocator)
-        self.runner = Runner(model, config, self.num_pages, attention_backend_for(config))
-        self.runner.warm_up(progress)
+        self.num_pages = choose_num_pages(model.config, config, dtype, self.mesh.devices.flat[0],
+                                          config.tensor_parallel_size)
+        backend = attention_backend_for(config)
+        self.replicas: list[Replica] = []
+        for sub_mesh in sharding.replica_meshes(self.mesh):
+            allocator = PageAllocator(self.num_pages, config.page_size,
+                                      config.enable_prefix_caching)
+            replica_model = model if config.data_parallel_size == 1 else _on_mesh(model, sub_mesh)
+            runner = Runner(replica_model, config, self.num_pages, backend, sub_mesh)
+            runner.warm_up(progress)
+            self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
+        self.allocator = self.replicas[0].allocator
+        self.scheduler = self.replicas[0].scheduler
+        self.runner = self.replicas[0].runner
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._processors: dict[str, OutputProcessor] = {}
+        self._owners: dict[str, Replica] = {}  # request id → the replica serving it
         self._seed_rng = np.random.default_rng(0)
+        self._stopped = False
+        if multihost.is_multiprocess() and multihost.is_leader():
+            atexit.register(self.shutdown)  # followers must not outlive the leader
 
     # ---- requests -----------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
@@ -112,58 +177,99 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return (any(r.scheduler.has_work() for r in self.replicas)
+                or not self._inbox.empty())
 
     def _drain_inbox(self) -> list[StreamDelta]:
         deltas = []
         while not self._inbox.empty():
             kind, item = self._inbox.get()
             if kind == "add":
+                replica = min(self.replicas, key=lambda r: r.load)
                 self._processors[item.request_id] = OutputProcessor(item, self.tokenizer)
-                self.scheduler.add(item)
-            else:
-                seq = self.scheduler.abort(item)
+                self._owners[item.request_id] = replica
+                replica.scheduler.add(item)
+            elif item in self._owners:
+                seq = self._owners[item].scheduler.abort(item)
                 if seq is not None:
                     deltas.append(self._finish(seq, [], time.monotonic()))
         return deltas
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one scheduled step (or one decode loop); return what each request gained."""
+        """Run one scheduled step (or one decode loop) on every busy replica; return what
+        each request gained."""
         deltas = self._drain_inbox()
         started = time.monotonic()
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return deltas
-        for chunk in plan.chunks:
-            if chunk.seq.times.first_scheduled is None:
-                chunk.seq.times.first_scheduled = started
-        inp = build_step_input(plan, self.config)
-        if plan.num_decode_steps > 1:
-            result, produced = self.runner.decode(inp, plan.num_decode_steps)  # [S, K, ...]
-            fed = [int(n) for n in produced[:len(plan.chunks)]]
-            produced = fed
-        else:
-            result = jax.tree.map(lambda a: a[:, None], self.runner.step(inp))  # [S, 1, ...]
-            fed = [c.num_tokens for c in plan.chunks]
-            produced = [int(c.samples) for c in plan.chunks]
-        now = time.monotonic()
-        deltas += self._apply(plan, result, produced, fed, now)
-        self.metrics.record_step(StepRecord(
-            num_seqs=len(plan.chunks), num_tokens=plan.num_tokens,
-            padded_tokens=int(inp.token_ids.shape[0]), num_decode_steps=plan.num_decode_steps,
-            kv_cache_usage=self.allocator.usage, duration=now - started))
+        launched = []
+        for replica in self.replicas:  # dispatch all before fetching any
+            plan = replica.scheduler.schedule()
+            if not plan.chunks:
+                continue
+            for chunk in plan.chunks:
+                if chunk.seq.times.first_scheduled is None:
+                    chunk.seq.times.first_scheduled = started
+            inp = build_step_input(plan, self.config)
+            launched.append((replica, plan, inp, self._launch(replica.runner, plan, inp)))
+        for replica, plan, inp, pending in launched:
+            if plan.num_decode_steps > 1:
+                result, produced = jax.device_get(pending)  # [S, K, ...], [S]
+                fed = produced = [int(n) for n in produced[:len(plan.chunks)]]
+            else:
+                result = jax.tree.map(lambda a: a[:, None], jax.device_get(pending))  # [S, 1, ...]
+                fed = [c.num_tokens for c in plan.chunks]
+                produced = [int(c.samples) for c in plan.chunks]
+            now = time.monotonic()
+            deltas += self._apply(replica, plan, result, produced, fed, now)
+            self.metrics.record_step(StepRecord(
+                num_seqs=len(plan.chunks), num_tokens=plan.num_tokens,
+                padded_tokens=int(inp.token_ids.shape[0]),
+                num_decode_steps=plan.num_decode_steps,
+                kv_cache_usage=replica.allocator.usage, duration=now - started))
         return deltas
 
-    def _apply(self, plan: SchedulerOutput, result: SampleResult, produced: list[int],
-               fed: list[int], now: float) -> list[StreamDelta]:
+    def _launch(self, runner: Runner, plan: SchedulerOutput, inp: StepInput):
+        """Dispatch the step's program (telling followers first in a multi-host run)."""
+        decode = plan.num_decode_steps > 1
+        if multihost.is_multiprocess():
+            if self._stopped:
+                raise RuntimeError("engine was shut down; followers have left")
+            multihost.send_step(multihost.DECODE if decode else multihost.STEP, inp,
+                                plan.num_decode_steps)
+        if decode:
+            return runner.launch_decode(inp, plan.num_decode_steps)
+        return runner.launch_step(inp)
+
+    # ---- multi-host ---------------------------------------------------------------------
+    def run_follower(self) -> None:
+        """On a process other than 0: run the leader's steps until its `shutdown()`."""
+        if multihost.is_leader():
+            raise ValueError("run_follower is for processes other than 0; process 0 serves")
+        while True:
+            kind, inp, num_steps = multihost.receive_step(self.runner.empty_input)
+            if kind == multihost.STOP:
+                return
+            if kind == multihost.DECODE:
+                self.runner.decode(inp, num_steps)
+            else:
+                self.runner.step(inp)
+
+    def shutdown(self) -> None:
+        """On process 0 of a multi-host run: release the followers (idempotent; also run at
+        exit). A no-op for one process."""
+        if multihost.is_multiprocess() and multihost.is_leader() and not self._stopped:
+            self._stopped = True
+            multihost.send_stop()
+
+    def _apply(self, replica: Replica, plan: SchedulerOutput, result: SampleResult,
+               produced: list[int], fed: list[int], now: float) -> list[StreamDelta]:
         """Book-keep one step: computed tokens, new pages keyed, tokens through the stop
         checks. `result` fields are `[S, K, ...]`; row i produced `produced[i]` tokens."""
         deltas = []
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
             seq.num_computed_tokens += fed[i]
-            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
+            replica.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
                                                seq.num_computed_tokens)
             if not produced[i]:
                 continue
@@ -174,7 +280,7 @@ class Engine:
                 processor.add_logprobs(result, i, len(kept))
             seq.times.tokens_arrived(len(kept), now)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                replica.scheduler.finish(seq, reason)
                 deltas.append(self._finish(seq, kept, now))
             else:
                 deltas.append(processor.delta(kept, finished=False))
@@ -182,6 +288,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, kept: list[int], now: float) -> StreamDelta:
         seq.times.finished = now
+        self._owners.pop(seq.request_id, None)
         self.metrics.record_finished(seq)
         return self._processors[seq.request_id].delta(kept, finished=True)
 

@@ -38,10 +38,12 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] = ()
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "num_decode_steps"):
+                     "num_decode_steps", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))
         if self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES} (the kernels' "

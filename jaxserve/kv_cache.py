@@ -1,5 +1,9 @@
 """The paged KV cache: per layer `(k_pages, v_pages)`, each
 `[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), and its sizing.
+
+On a mesh the cache is split on its kv-heads axis over "model" (`cache_sharding`), like the
+k/v projections that fill it; every device holds all pages of its heads, so the page
+allocator stays one global pool.
 """
 
 from __future__ import annotations
@@ -7,7 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import sharding as sharding_rules
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 
@@ -20,13 +26,20 @@ def page_bytes(model: ModelConfig, page_size: int, dtype) -> int:
     return 2 * model.num_layers * per_layer
 
 
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Pages and offsets whole on every device, kv heads split as the rules say."""
+    return NamedSharding(mesh, P(None, None, sharding_rules.LOGICAL_AXIS_RULES["kv_heads"],
+                                 None))
+
+
 def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
-                     device: jax.Device | None = None) -> int:
+                     device: jax.Device | None = None, tensor_parallel_size: int = 1) -> int:
     """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
-    for `max_num_seqs` full-length sequences, at most 1 GiB)."""
+    for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
+    on the mesh: each device holds 1/tensor_parallel_size of its kv heads."""
     if engine.num_pages is not None:
         return engine.num_pages
-    one_page = page_bytes(model, engine.page_size, dtype)
+    one_page = page_bytes(model, engine.page_size, dtype) // tensor_parallel_size
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:

@@ -5,6 +5,9 @@
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
 
+`model` is a Hugging Face folder (safetensors) or an orbax checkpoint folder written by
+`jaxserve.checkpoint.convert`; either way each device receives only its shard of the weights
+on the mesh that `tensor_parallel_size` / `data_parallel_size` describe.
 Prompts are strings (tokenized with the model's tokenizer) or `{"prompt_token_ids": [...]}`.
 Generation runs through the serving engine (paged KV cache, continuous batching); engine
 options are keyword arguments, named as in vLLM (see `EngineConfig`).
@@ -21,8 +24,9 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import checkpoint
 from jaxserve.config import load_config
-from jaxserve.engine import Engine
+from jaxserve.engine import Engine, engine_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -55,7 +59,7 @@ def _eos_ids(model_dir: Path, config_ids, tokenizer: Tokenizer | None) -> set[in
 
 
 class LLM:
-    """Loads a Hugging Face model folder and generates from Python."""
+    """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
 
     def __init__(self, model: str, dtype: str = "auto", progress: bool = True,
                  **engine_options: Any):
@@ -75,7 +79,12 @@ class LLM:
         if self.engine_config.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.engine_config.max_model_len}) exceeds the "
                              f"model's max_position_embeddings ({limit})")
-        self.model = load_weights(model_dir, self.config, self.dtype, progress=progress)
+        mesh = engine_mesh(self.engine_config)
+        if checkpoint.is_checkpoint(model_dir):
+            self.model = checkpoint.restore(model_dir, self.config, self.dtype, mesh)
+        else:
+            self.model = load_weights(model_dir, self.config, self.dtype, progress=progress,
+                                      mesh=mesh)
         eos = _eos_ids(model_dir, self.config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress)
         self._request_ids = itertools.count()

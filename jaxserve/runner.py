@@ -10,6 +10,12 @@ Two kinds of program, both taking the weights, the donated KV cache and a `StepI
 Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
 a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
 This is the one place that calls `jax.jit` for the model step.
+
+Everything lives on a mesh (one replica's `(1, tp)` mesh; `(1, 1)` on one device): weights
+as `jaxserve.weights.shard_model` placed them, the cache split on kv heads, step inputs and
+sampled results replicated, so every process of a multi-host run can feed the same inputs
+and read the results. `launch_*` only dispatch (several replicas then run concurrently);
+`step` / `decode` also fetch the results.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.batcher import MAX_DEVICE_STOP_IDS, StepInput
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import allocate_kv_cache
+from jaxserve.kv_cache import allocate_kv_cache, cache_sharding
 from jaxserve.model import LlamaModel
 from jaxserve.model.paged_attention import PagedAttention
 from jaxserve.sampler import SampleResult, SamplingArrays, TokenCounts, sample_with_logprobs
@@ -37,15 +44,24 @@ class Runner:
     """Holds the weights, the KV cache and the compiled programs."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int,
-                 attention_backend: str | None):
+                 attention_backend: str | None, mesh: Mesh):
+        """`model` must already be placed on `mesh` (`jaxserve.weights.shard_model`)."""
         self.config = config
         self.model_config = model.config
+        self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
         dtype = model.embed[...].dtype
-        self.caches = allocate_kv_cache(model.config, num_pages, config.page_size, dtype)
+        cache_sh = cache_sharding(mesh)
+        self.caches = allocate_kv_cache(model.config, num_pages, config.page_size, dtype,
+                                        cache_sh)
         self.attention_backend = attention_backend
-        self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
-                        "decode": jax.jit(self._decode, donate_argnums=(1,))}
+        self.replicated = NamedSharding(mesh, P())
+        caches_sh = [(cache_sh, cache_sh)] * len(self.caches)
+        self._jitted = {
+            "step": jax.jit(self._step, donate_argnums=(1,),
+                            out_shardings=(self.replicated, caches_sh)),
+            "decode": jax.jit(self._decode, donate_argnums=(1,),
+                              out_shardings=(self.replicated, self.replicated, caches_sh))}
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -53,7 +69,8 @@ class Runner:
     # ---- traced programs ----------------------------------------------------------------
     def _attention(self, inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs):
         return PagedAttention(inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs,
-                              self.model_config.sliding_window, self.attention_backend)
+                              self.model_config.sliding_window, self.attention_backend,
+                              self.mesh)
 
     def _step(self, state, caches, inp: StepInput):
         model = nnx.merge(self.graphdef, state)
@@ -112,15 +129,17 @@ class Runner:
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        sh = self.replicated
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)  # noqa: E731
         return StepInput(
             token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
             kv_lens=i32(rows), page_indices=i32(rows, self.config.pages_per_seq),
             cu_q_lens=i32(rows + 1), num_seqs=i32(1), logits_indices=i32(rows),
             sampling=SamplingArrays(temperature=f32(rows), top_k=i32(rows), top_p=f32(rows),
                                     min_p=f32(rows),
-                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32,
+                                                              sharding=sh),
                                     presence=f32(rows), frequency=f32(rows),
                                     repetition=f32(rows)),
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
@@ -136,7 +155,7 @@ class Runner:
                 self.compiles_after_warmup += 1
             args = [self.state, self.caches, self._input_shapes(tokens, rows)]
             if kind == "decode":
-                args.append(jax.ShapeDtypeStruct((), jnp.int32))
+                args.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
             self._compiled[key] = self._jitted[kind].lower(*args).compile()
         return self._compiled[key]
 
@@ -156,16 +175,39 @@ class Runner:
         self.warmed_up = True
 
     # ---- running ------------------------------------------------------------------------
+    def empty_input(self, tokens: int, rows: int) -> StepInput:
+        """A zero `StepInput` of a bucket's shape (what a multi-host follower receives into)."""
+        return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                            self._input_shapes(tokens, rows))
+
+    def _place(self, tree):
+        """Host numpy → arrays replicated on the mesh; every process passes the same values
+        and builds only its own devices' copies."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, self.replicated)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            a.shape, self.replicated, lambda index: a[index]), tree)
+
+    def launch_step(self, inp: StepInput) -> SampleResult:
+        """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
+        program = self._program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
+        result, self.caches = program(self.state, self.caches, self._place(inp))
+        return result
+
+    def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
+        """Dispatch up to `num_steps` decode steps; returns device arrays: samples (fields
+        `[S, K, ...]`) and how many each row produced `[S]`."""
+        rows = inp.kv_lens.shape[0]
+        program = self._program("decode", rows, rows)
+        out, count, self.caches = program(self.state, self.caches,
+                                          *self._place((inp, np.int32(num_steps))))
+        return out, count
+
     def step(self, inp: StepInput) -> SampleResult:
         """One forward; returns what every row sampled (numpy, fields `[S, ...]`)."""
-        program = self._program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
-        result, self.caches = program(self.state, self.caches, inp)
-        return jax.device_get(result)
+        return jax.device_get(self.launch_step(inp))
 
     def decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, np.ndarray]:
         """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`) and how many
         each row produced `[S]`."""
-        rows = inp.kv_lens.shape[0]
-        program = self._program("decode", rows, rows)
-        out, count, self.caches = program(self.state, self.caches, inp, np.int32(num_steps))
-        return jax.device_get((out, count))
+        return jax.device_get(self.launch_decode(inp, num_steps))

@@ -2,13 +2,21 @@
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` folder, one tensor at a
 time (memory-mapped), converts each from HF's `[out, in]` layout to the model's, casts it to
-the target dtype and places it on device, so peak host memory stays near one copy of the
-weights. Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor;
+the target dtype and places it on device(s), so peak host memory stays near one tensor.
+
+With a mesh (`load_weights(..., mesh=mesh)`) each tensor goes straight to its shards:
+`jax.make_array_from_callback` asks for one device's slice at a time, which is cut from the
+host tensor and cast, so no device ever holds more than its shard and no full device copy of
+the model exists. `shard_model` applies the same rules to a model already on device
+(gpt-fast style: the model is built mesh-agnostic, sharding comes after). When
+tensor_parallel_size exceeds the kv heads, both repeat k/v heads as
+`sharding.kv_head_repeats` describes, and the model's config reports the stored head count. Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor;
 pickle checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -18,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
+import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.model import LlamaModel
 
@@ -107,15 +117,98 @@ def _default_placer(dtype) -> Placer:
     return lambda array, path: jax.device_put(jnp.asarray(array, dtype=dtype))
 
 
+def sharded_config(cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, int]:
+    """The config of the model as stored on `mesh` (kv heads repeated when tp > Hkv), and
+    the repeat count."""
+    repeats = sharding.kv_head_repeats(cfg.num_kv_heads, cfg.num_heads, mesh.shape["model"])
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeats), repeats
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> LlamaModel:
+    """The model's structure, shapes and `logical_axes`, with no memory allocated."""
+    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0)))
+
+
+def param_shardings(cfg: ModelConfig, dtype, mesh: Mesh) -> dict[tuple, NamedSharding]:
+    """Model path → NamedSharding of every parameter of a model with config `cfg` (as
+    stored on the mesh, see `sharded_config`)."""
+    _, state = nnx.split(abstract_model(cfg, dtype))
+    return {path: NamedSharding(mesh, sharding.partition_spec(
+                var.get_metadata()["logical_axes"], var.get_value().shape, mesh))
+            for path, var in nnx.to_flat_state(state)}
+
+
+def kv_axis(path: tuple) -> int | None:
+    """The kv-heads axis of a parameter (k/v projections and biases), else None."""
+    name = path[-1]
+    if name in ("k_proj", "v_proj"):
+        return 1  # [E, Hkv, D]
+    if name in ("k_bias", "v_bias"):
+        return 0  # [Hkv, D]
+    return None
+
+
+def _repeated_slice(array: np.ndarray, index: tuple[slice, ...], axis: int | None,
+                    repeats: int) -> np.ndarray:
+    """`np.repeat(array, repeats, axis)[index]` without building the repeated array."""
+    if axis is None or repeats == 1:
+        return array[index]
+    heads = np.arange(array.shape[axis] * repeats)[index[axis]] // repeats
+    return np.take(array, heads, axis=axis)[index[:axis] + (slice(None),) + index[axis + 1:]]
+
+
+def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
+    """A `Placer` that builds each parameter shard by shard on `mesh` (kv heads repeated as
+    `sharded_config` says); `cfg` is the checkpoint's own config."""
+    stored, repeats = sharded_config(cfg, mesh)
+    shardings = param_shardings(stored, dtype, mesh)
+    np_dtype = jnp.dtype(dtype)
+
+    def place(array: np.ndarray, path: tuple) -> jax.Array:
+        axis = kv_axis(path)
+        shape = list(array.shape)
+        if axis is not None:
+            shape[axis] *= repeats
+        return sharding.shard_loader(
+            lambda index: _repeated_slice(array, index, axis, repeats).astype(np_dtype),
+            tuple(shape), shardings[path])
+
+    return place
+
+
+def shard_model(model: LlamaModel, mesh: Mesh) -> LlamaModel:
+    """`model` with every parameter placed on `mesh` by the partition rules (a no-op for a
+    model already loaded onto that mesh); kv heads are repeated if tp needs it."""
+    stored, repeats = sharded_config(model.config, mesh)
+    dtype = model.embed[...].dtype
+    shardings = param_shardings(stored, dtype, mesh)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    for path, var in variables.items():
+        value, axis = var.get_value(), kv_axis(path)
+        if axis is not None and repeats > 1:
+            value = jnp.repeat(value, repeats, axis=axis)
+        variables[path] = var.replace(jax.device_put(value, shardings[path]))  # new Variable
+    sharded = nnx.merge(graphdef, nnx.from_flat_state(variables))
+    sharded.config = stored
+    return sharded
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
-                 place: Placer | None = None, progress: bool = True) -> LlamaModel:
+                 place: Placer | None = None, progress: bool = True,
+                 mesh: Mesh | None = None) -> LlamaModel:
     """Build a `LlamaModel` whose parameters come from the folder's safetensors files.
 
     `place` decides where each converted tensor goes (default: the default device, cast to
-    `dtype`); the sharded loader passes one that puts each device only its shard.
+    `dtype`); with `mesh`, each device receives only its shard (`sharded_placer`) and the
+    model's config is the one stored on the mesh (`sharded_config`).
     """
+    model_cfg = cfg
+    if mesh is not None:
+        place = sharded_placer(cfg, dtype, mesh)
+        model_cfg, _ = sharded_config(cfg, mesh)
     place = place or _default_placer(dtype)
-    model = nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0)))
+    model = abstract_model(model_cfg, dtype)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
     expected = hf_tensor_map(cfg)

@@ -2,6 +2,9 @@
 cache, then attend with `ragged_paged_attention` (the Pallas kernel, or its jnp reference).
 
 The call signature is the model's `AttentionFn`; tokens are a flat ragged batch `[T]`.
+With a `mesh`, the cache write and the kernel run inside `jax.shard_map` over the "model"
+axis: each device sees only its heads (q, k, v and the cache split on heads, step metadata
+replicated), so a kernel never sees the mesh and attention needs no collective.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 
 import pallas_kernels
+import sharding
 
 
 @jax.tree_util.register_dataclass
@@ -25,11 +30,24 @@ class PagedAttention:
     num_seqs: jax.Array  # [1] int32
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def _local(self, q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_indices,
+               cu_q_lens, num_seqs):
+        """Attention on the heads at hand: q [T, Hq, D], k/v [T, Hkv, D], pages
+        [N, page_size, Hkv, D] → out [T, Hq, D] and the updated pages."""
+        k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slot_mapping)
+        out = pallas_kernels.ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sliding_window=self.sliding_window, backend=self.backend)
+        return out, (k_pages, v_pages)
 
     def __call__(self, layer_index, q, k, v, layer_cache):
         k_pages, v_pages = layer_cache  # [N, page_size, Hkv, D] each
-        k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, self.slot_mapping)
-        out = pallas_kernels.ragged_paged_attention(
-            q, k_pages, v_pages, self.kv_lens, self.page_indices, self.cu_q_lens,
-            self.num_seqs, sliding_window=self.sliding_window, backend=self.backend)
-        return out, (k_pages, v_pages)  # out [T, Hq, D]
+        local = self._local
+        if self.mesh is not None:
+            #                  q  k  v  k_pages v_pages  metadata (replicated)
+            head_dims = (1, 1, 1, 2, 2, None, None, None, None, None)
+            local = sharding.shard_over_heads(local, self.mesh, head_dims, (1, (2, 2)))
+        return local(q, k, v, k_pages, v_pages, self.slot_mapping, self.kv_lens,
+                     self.page_indices, self.cu_q_lens, self.num_seqs)  # out [T, Hq, D]

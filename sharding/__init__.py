@@ -1,0 +1,21 @@
+"""Device mesh, logical-axis partition rules and shard_map wrappers (imports only jax/numpy).
+
+The model speaks in logical axis names; this package alone maps them to the mesh axes
+`("data", "model")`:
+
+  make_mesh(tensor_parallel_size, data_parallel_size, devices=None) -> Mesh
+  replica_meshes(mesh) -> list[Mesh]            one (1, tp) sub-mesh per data-parallel replica
+  partition_spec(logical_axes, shape, mesh)     logical names → PartitionSpec
+  kv_head_repeats(num_kv_heads, num_heads, tp)  how often each kv head is stored
+  shard_loader(array_fn, shape, sharding)       an array built shard by shard from host data
+  restrict_to(array, mesh)                      the same shards, viewed as an array on a sub-mesh
+  shard_over_heads(fn, mesh, ...)               run `fn` per device on its heads (shard_map)
+"""
+
+from sharding.mesh import make_mesh, replica_meshes
+from sharding.rules import (LOGICAL_AXIS_RULES, kv_head_repeats, partition_spec,
+                            shard_loader, restrict_to)
+from sharding.shard_map import shard_over_heads
+
+__all__ = ["make_mesh", "replica_meshes", "LOGICAL_AXIS_RULES", "partition_spec",
+           "kv_head_repeats", "shard_loader", "restrict_to", "shard_over_heads"]

@@ -1,0 +1,90 @@
+"""Partition rules: which logical axis of a parameter or cache goes to which mesh axis.
+
+Megatron-style tensor parallelism on the "model" axis:
+- q/k/v and gate/up are split by output column ("heads", "kv_heads", "mlp"): every device
+  computes whole heads / a slice of the MLP hidden with no communication;
+- o_proj and down_proj are split by input row (their "heads" / "mlp" axis): each device
+  holds a partial sum, and XLA inserts the all-reduce over "model" at the einsum;
+- embedding and lm_head are vocab-parallel ("vocab");
+- norms, biases of the residual stream and "embed"/"head_dim" axes are replicated.
+The KV cache `[N, page_size, Hkv, D]` is split on its kv-heads axis like k/v projections.
+
+A vocabulary (or MLP hidden) that does not divide by the "model" size is kept replicated on
+that axis rather than padded; head counts must divide (checked by `kv_head_repeats`).
+Nothing in the rules mentions "data": every data-parallel replica holds whole weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "embed": None,
+    "head_dim": None,
+    "norm": None,
+}
+
+
+def partition_spec(logical_axes: tuple[str, ...], shape: tuple[int, ...],
+                   mesh: Mesh) -> P:
+    """The PartitionSpec for an array with these logical axes (one name per dimension)."""
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical_axes {logical_axes} do not match shape {shape}")
+    spec = []
+    for name, size in zip(logical_axes, shape):
+        if name not in LOGICAL_AXIS_RULES:
+            raise ValueError(f"no sharding rule for logical axis {name!r}; known: "
+                             f"{sorted(LOGICAL_AXIS_RULES)}")
+        axis = LOGICAL_AXIS_RULES[name]
+        spec.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
+    return P(*spec)
+
+
+def kv_head_repeats(num_kv_heads: int, num_heads: int, tensor_parallel_size: int) -> int:
+    """How many copies of each kv head the k/v projections and the KV cache hold.
+
+    With tp <= Hkv every device holds Hkv/tp whole kv heads (1 copy). With tp > Hkv each kv
+    head is stored r = tp/Hkv times, consecutively (head h becomes heads h*r .. h*r+r-1), so
+    device j holds exactly one kv head, original head j // r — the one its Hq/tp query heads
+    use under grouped-query attention. Memory for k/v and the cache grows r-fold; the
+    kernels never see a head split across devices.
+    """
+    tp = tensor_parallel_size
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads "
+                         f"({num_heads})")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide num_key_value_heads "
+                             f"({num_kv_heads})")
+        return 1
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads}) when larger than it, so kv "
+                         "heads can be replicated whole")
+    return tp // num_kv_heads
+
+
+def shard_loader(array_fn: Callable[[tuple[slice, ...]], np.ndarray], shape: tuple[int, ...],
+                 sharding: NamedSharding) -> jax.Array:
+    """A global array whose every addressable shard is `array_fn(index)`: the host only ever
+    materialises one device's slice at a time (e.g. of a memory-mapped tensor), and each
+    process only its own devices' slices."""
+    return jax.make_array_from_callback(shape, sharding, lambda index: array_fn(index))
+
+
+def restrict_to(array: jax.Array, mesh: Mesh) -> jax.Array:
+    """`array` (NamedSharding on a larger mesh, replicated across "data") viewed on the
+    sub-mesh `mesh`, reusing its device buffers (no copy)."""
+    devices = set(mesh.devices.flat)
+    shards = [s.data for s in array.addressable_shards if s.device in devices]
+    return jax.make_array_from_single_device_arrays(
+        array.shape, NamedSharding(mesh, array.sharding.spec), shards)
