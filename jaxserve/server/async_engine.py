@@ -101,7 +101,7 @@ class AsyncEngine:
                prompt: str | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = sum(len(r.scheduler.waiting) for r in self.engine.replicas)
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)

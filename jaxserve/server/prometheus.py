@@ -25,7 +25,7 @@ class _EngineState:
         self.labels = [model_name]
 
     def collect(self):
-        engine = self.engine
+        replicas = self.engine.replicas  # data-parallel replicas: sum (or average) them
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -37,21 +37,24 @@ class _EngineState:
             family.add_metric(self.labels, value)
             return family
 
+        def total(read):
+            return sum(read(r) for r in replicas)
+
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    len(engine.scheduler.running))
+                    total(lambda r: len(r.scheduler.running)))
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    len(engine.scheduler.waiting))
+                    total(lambda r: len(r.scheduler.waiting)))
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).",
-                    engine.allocator.usage)
+                    total(lambda r: r.allocator.usage) / len(replicas))
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of pages.",
-                      engine.scheduler.num_preemptions)
+                      total(lambda r: r.scheduler.num_preemptions))
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      engine.allocator.prefix_queries)
+                      total(lambda r: r.allocator.prefix_queries))
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      engine.allocator.prefix_hits)
+                      total(lambda r: r.allocator.prefix_hits))
         yield counter("jaxserve:compilations_after_warmup",
                       "Programs compiled after warm-up (each is a latency spike).",
-                      engine.runner.compiles_after_warmup)
+                      total(lambda r: r.runner.compiles_after_warmup))
 
 
 class PrometheusMetrics:

@@ -77,3 +77,4 @@ class ServerState:
         self.ready = False
         if self.engine is not None:
             self.engine.stop()
+            self.llm.engine.shutdown()  # multi-host: release the follower processes
