@@ -82,6 +82,11 @@ def engine_mesh(config: EngineConfig) -> Mesh:
     if config.data_parallel_size > 1 and multihost.is_multiprocess():
         raise ValueError("data_parallel_size > 1 is not supported across several processes; "
                          "use tensor_parallel_size over all hosts' devices")
+    size = config.tensor_parallel_size * config.data_parallel_size
+    if multihost.is_multiprocess() and size != jax.device_count():
+        raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) must equal "
+                         f"the {jax.device_count()} devices of all processes in a multi-host "
+                         "run, so every process takes part in every step")
     return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
 
 
@@ -117,8 +122,9 @@ class Engine:
         model = shard_model(model, self.mesh)
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
         dtype = model.embed[...].dtype
-        self.num_pages = choose_num_pages(model.config, config, dtype, self.mesh.devices.flat[0],
-                                          config.tensor_parallel_size)
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        self.num_pages = multihost.agree(choose_num_pages(
+            model.config, config, dtype, local[0], config.tensor_parallel_size))
         backend = attention_backend_for(config)
         self.replicas: list[Replica] = []
         for sub_mesh in sharding.replica_meshes(self.mesh):

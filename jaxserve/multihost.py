@@ -67,6 +67,14 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+def agree(value: int) -> int:
+    """Process 0's `value` on every process (e.g. the KV-cache page count, which each
+    process would otherwise size from its own free memory)."""
+    if not is_multiprocess():
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int32)))
+
+
 def _header(kind: int, tokens: int = 0, rows: int = 0, num_steps: int = 0) -> np.ndarray:
     return np.asarray([kind, tokens, rows, num_steps], np.int32)  # [4]
 

@@ -2,7 +2,8 @@
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` folder, one tensor at a
 time (memory-mapped), converts each from HF's `[out, in]` layout to the model's, casts it to
-the target dtype and places it on device(s), so peak host memory stays near one tensor.
+the target dtype and places it on device(s), so the host holds about one tensor at a time
+beyond what the devices hold.
 
 With a mesh (`load_weights(..., mesh=mesh)`) each tensor goes straight to its shards:
 `jax.make_array_from_callback` asks for one device's slice at a time, which is cut from the
@@ -10,8 +11,10 @@ host tensor and cast, so no device ever holds more than its shard and no full de
 the model exists. `shard_model` applies the same rules to a model already on device
 (gpt-fast style: the model is built mesh-agnostic, sharding comes after). When
 tensor_parallel_size exceeds the kv heads, both repeat k/v heads as
-`sharding.kv_head_repeats` describes, and the model's config reports the stored head count. Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor;
-pickle checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
+`sharding.kv_head_repeats` describes, and the model's config reports the stored head count.
+
+Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor; pickle
+checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
 """
 
 from __future__ import annotations
