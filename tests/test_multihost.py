@@ -1,6 +1,10 @@
 """Two processes on 127.0.0.1 (2 CPU devices each) serve one batch over one 4-device mesh:
 process 0 runs `LLM.generate`, process 1 the follower loop; both exit after the leader's
-shutdown, and the tokens equal one process's."""
+shutdown, and the tokens equal one process's.
+
+This file is also the worker each process runs:
+    python test_multihost.py MODEL_DIR OUT_JSON  ($JAX_COORDINATOR_ADDRESS etc. in the env)
+"""
 
 import json
 import os
@@ -11,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import SamplingParams
+from jaxserve import LLM, SamplingParams, multihost
 from jaxserve.multihost import initialize
 from tiny_models import SMALL_ENGINE, build_model
 
@@ -31,7 +35,6 @@ def test_two_processes_give_one_process_tokens(tmp_path):
     folder = tmp_path / "model"
     build_model("llama", folder, num_attention_heads=8, num_key_value_heads=2,
                 initializer_range=0.5)
-    from jaxserve import LLM
     single = LLM(str(folder), dtype="float32", progress=False, **ENGINE)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS)]
 
@@ -47,8 +50,7 @@ def test_two_processes_give_one_process_tokens(tmp_path):
             log = open(tmp_path / f"log{pid}.txt", "w")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, str(tests_dir / "multihost_worker.py"), str(folder),
-                 str(tmp_path / f"out{pid}.json"), str(pid)],
+                [sys.executable, __file__, str(folder), str(tmp_path / f"out{pid}.json")],
                 env=dict(env, JAX_PROCESS_ID=str(pid)), stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
     finally:
@@ -77,3 +79,20 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match="num_processes"):
         initialize()
+
+
+def worker(model_dir: str, out_json: str) -> None:
+    """One process of the two: process 0 generates, the other follows until its stop."""
+    initialize()  # from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID
+    llm = LLM(model_dir, dtype="float32", progress=False, tensor_parallel_size=4, **ENGINE)
+    tokens = None
+    if multihost.is_leader():
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        llm.engine.shutdown()
+    else:
+        llm.engine.run_follower()
+    Path(out_json).write_text(json.dumps({"tokens": tokens}))
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
