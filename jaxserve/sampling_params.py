@@ -68,6 +68,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token)
+            if not 0 <= token < 2**31:
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {token}")
 
     @property
     def has_penalties(self) -> bool:

@@ -116,13 +116,17 @@ class Scheduler:
         return budget
 
     def _decode_steps(self, out: SchedulerOutput) -> int:
-        """As many decode steps as configured, if pages for all of them can be reserved."""
+        """As many decode steps as configured if pages for all of them, for every sequence,
+        can be reserved (all or none, so a fallback to one step holds no extra pages)."""
         steps = self.config.num_decode_steps
-        for chunk in out.chunks:
-            seq = chunk.seq
-            wanted = min(seq.num_computed_tokens + steps, self.config.max_model_len)
-            if not self._reserve(seq, wanted):
-                return 1
+        wanted = [min(c.seq.num_computed_tokens + steps, self.config.max_model_len)
+                  for c in out.chunks]
+        needed = sum(max(0, -(-n // self.config.page_size) - len(c.seq.pages))
+                     for c, n in zip(out.chunks, wanted))
+        if needed > self.allocator.num_free_pages:
+            return 1
+        for chunk, num_tokens in zip(out.chunks, wanted):
+            self._reserve(chunk.seq, num_tokens)
         return steps
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:

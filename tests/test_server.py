@@ -118,6 +118,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": NAME}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 99}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": [2**40]}, 400,
+     "stop_token_ids"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"content": "no role"}]}, 400,
      "messages.0.role"),
@@ -180,6 +182,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
                > aborted_before, 30, "request was not aborted")
     wait_until(lambda: not engine.scheduler.running and engine.allocator.usage == 0.0, 30,
                "pages not freed")
+    wait_until(lambda: server.state.engine.num_in_flight == 0, 30, "request state leaked")
 
 
 def test_200_requests_at_32_concurrent_streams(server):
@@ -194,6 +197,14 @@ def test_200_requests_at_32_concurrent_streams(server):
     engine = server.state.llm.engine
     wait_until(lambda: not engine.scheduler.running and engine.allocator.usage == 0.0, 30,
                "a finished request still holds pages")
+    assert server.state.engine.num_in_flight == 0
+
+
+def test_default_max_tokens_fits_the_room_left(server):
+    prompt = list(range(2, 2 + 128 - 5))  # max_model_len 128: room for 5 new tokens
+    out = httpx.post(f"{server.url}/v1/completions",
+                     json={"model": NAME, "prompt": prompt, "ignore_eos": True}).json()
+    assert out["usage"]["completion_tokens"] == 5
 
 
 def test_metrics_parse_and_counters_move(server):

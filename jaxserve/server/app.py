@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server import handlers
-from jaxserve.server.async_engine import QueueFullError
+from jaxserve.server.async_engine import EngineDeadError, QueueFullError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.state import ServerState
 
@@ -78,6 +78,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def on_queue_full(request: Request, exc: QueueFullError):
         return _error(429, str(exc), error_type="rate_limit_error",
                       headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_failure(request: Request, exc: EngineDeadError):
+        return _error(500, f"the engine failed while serving this request: {exc}",
+                      error_type="server_error")
 
     def check_api_key(request: Request) -> None:
         if state.api_key is None:

@@ -80,14 +80,28 @@ class AsyncEngine:
     def _deliver(self, delta: StreamDelta) -> None:
         with self._lock:
             target = self._streams.get(delta.request_id)
-            orphan = None
-            if target is None and delta.finished:  # its reader left: nobody will collect it
-                orphan = self._sequences.pop(delta.request_id, None)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-        elif orphan is not None:
-            self.engine.pop_output(orphan)
+        if target is None:
+            if delta.finished:  # its reader left: nobody will collect it
+                self._collect_orphan(delta.request_id)
+            return
+        loop, queue = target
+        loop.call_soon_threadsafe(self._hand_over, delta.request_id, queue, delta)
+
+    def _hand_over(self, request_id: str, queue: asyncio.Queue, delta: StreamDelta) -> None:
+        """On the event loop: queue the delta, unless its reader left since it was sent."""
+        with self._lock:
+            alive = request_id in self._streams and self._streams[request_id][1] is queue
+        if alive:
+            queue.put_nowait(delta)
+        elif delta.finished:
+            self._collect_orphan(request_id)
+
+    def _collect_orphan(self, request_id: str) -> None:
+        """Forget a finished request whose reader is gone."""
+        with self._lock:
+            seq = self._sequences.pop(request_id, None)
+        if seq is not None:
+            self.engine.pop_output(seq)
 
     def _fail_all(self) -> None:
         with self._lock:
@@ -126,11 +140,17 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
             with self._lock:
                 self._streams.pop(request_id, None)
+            if not finished:
+                while not queue.empty():  # handed over but not read before we left
+                    item = queue.get_nowait()
+                    finished |= isinstance(item, StreamDelta) and item.finished
+                if finished:
+                    self._collect_orphan(request_id)
+                else:
+                    self.engine.abort(request_id)  # its final delta becomes an orphan
+                    self._wake.set()
 
     def cancel(self, request_id: str) -> None:
         """Abort a submitted request that will not be streamed."""

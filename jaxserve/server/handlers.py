@@ -198,7 +198,13 @@ class CompletionJob(Job):
         return out
 
     def requested_max_tokens(self):
-        return self.body.max_tokens or DEFAULT_COMPLETION_TOKENS
+        return self.body.max_tokens
+
+    def max_tokens(self, prompt_len: int) -> int:
+        """OpenAI's default of 16 new tokens, capped at the room the prompt leaves."""
+        if self.body.max_tokens is None:
+            return min(DEFAULT_COMPLETION_TOKENS, super().max_tokens(prompt_len))
+        return super().max_tokens(prompt_len)
 
     def logprobs_count(self):
         return self.body.logprobs
