@@ -15,9 +15,9 @@ every busy replica before fetching any result, so they run concurrently. Why rep
 rather than one program with the batch split across "data": a paged cache is a pool of pages
 that any sequence may use, and splitting it across "data" would need per-shard pools inside
 one scheduler and every step padded to the busiest shard; replicas keep the scheduler, the
-allocator and the kernels unchanged, never wait for one another, and the weights cost
-nothing extra (each replica's weights are views of the same device buffers). `scheduler`,
-`allocator` and `runner` are replica 0's; `replicas` lists them all.
+allocator and the kernels unchanged, and each pads only to its own batch's bucket. Building
+a replica copies nothing: its weights are views of the buffers already on its devices.
+`scheduler`, `allocator` and `runner` are replica 0's; `replicas` lists them all.
 
 Multi-host (see `jaxserve.multihost`): process 0 schedules and broadcasts each step's input
 before running it; other processes call `run_follower()`, which runs the same programs until

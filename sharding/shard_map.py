@@ -24,8 +24,9 @@ def shard_over_heads(fn: Callable, mesh: Mesh, arg_head_dims: tuple[int | None, 
     """Wrap `fn(*args)` so it runs per device on the "model" axis.
 
     `arg_head_dims[i]` is the head dimension of positional argument i (None: replicated,
-    e.g. page tables); `out_head_dims` mirrors `fn`'s output pytree the same way. Every leaf
-    of an argument uses that argument's entry.
+    e.g. page tables); every leaf of an argument uses that argument's entry.
+    `out_head_dims` is `fn`'s output pytree with each array replaced by its head dimension
+    (an int: outputs are always split on heads).
     """
 
     def wrapped(*args):
