@@ -157,6 +157,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids has ids outside [0, {vocab}): {bad[:5]}")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit} "
@@ -275,16 +278,21 @@ class Engine:
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
             seq.num_computed_tokens += fed[i]
-            replica.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
-                                               seq.num_computed_tokens)
+            kept, reason = [], None
+            if produced[i]:
+                processor = self._processors[seq.request_id]
+                tokens = result.tokens[i, :produced[i]].tolist()
+                kept, reason = processor.add_tokens(tokens)
+                if seq.params.logprobs is not None:
+                    processor.add_logprobs(result, i, len(kept))
+                seq.times.tokens_arrived(len(kept), now)
+            # Key full pages only once their tokens are appended (a decode loop computes
+            # tokens it also returns), and never past the tokens kept after a stop.
+            replica.allocator.register_full_pages(
+                seq.token_ids, seq.pages, seq.page_hashes,
+                min(seq.num_computed_tokens, seq.num_tokens))
             if not produced[i]:
                 continue
-            processor = self._processors[seq.request_id]
-            tokens = result.tokens[i, :produced[i]].tolist()
-            kept, reason = processor.add_tokens(tokens)
-            if seq.params.logprobs is not None:
-                processor.add_logprobs(result, i, len(kept))
-            seq.times.tokens_arrived(len(kept), now)
             if reason is not None:
                 replica.scheduler.finish(seq, reason)
                 deltas.append(self._finish(seq, kept, now))

@@ -105,6 +105,17 @@ def test_prefix_cache_hits_and_outputs_unchanged(model, folder):
                                                              [params], [0])
 
 
+def test_generated_text_is_prefix_cached_after_a_decode_loop(model, folder):
+    """A follow-up whose prompt is an earlier request's prompt plus its output (multi-turn
+    chat) reuses the pages the decode loop filled."""
+    engine = make_engine(model, folder, num_decode_steps=4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first, _ = run_to_completion(engine, {0: [("a", list(range(2, 16)), params)]})
+    follow_up = first["a"].token_ids + [3, 4]  # 26 tokens: its first page is cached
+    second, _ = run_to_completion(engine, {0: [("b", follow_up, params)]})
+    assert second["b"].num_cached_tokens == 16
+
+
 def test_abort_frees_pages_and_others_carry_on(model, folder):
     engine = make_engine(model, folder)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -120,6 +120,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 99}, 400, "n"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": [2**40]}, 400,
      "stop_token_ids"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": [5000]}, 400,
+     "stop_token_ids"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"content": "no role"}]}, 400,
      "messages.0.role"),
