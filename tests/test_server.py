@@ -4,6 +4,7 @@ input, the serving benchmark for load, Prometheus' parser for /metrics."""
 import argparse
 import asyncio
 import threading
+import time
 
 import httpx
 import openai
@@ -176,12 +177,16 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     body = {"model": NAME, "prompt": "stream me", "max_tokens": 100, "stream": True,
             "ignore_eos": True}
     aborted_before = engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    wait_until(lambda: engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
-               > aborted_before, 30, "request was not aborted")
+    server.state.engine.on_step = lambda deltas: time.sleep(0.05)  # outlast the disconnect
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        wait_until(lambda: engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
+                   > aborted_before, 30, "request was not aborted")
+    finally:
+        server.state.engine.on_step = None
     wait_until(lambda: not engine.scheduler.running and engine.allocator.usage == 0.0, 30,
                "pages not freed")
     wait_until(lambda: server.state.engine.num_in_flight == 0, 30, "request state leaked")
