@@ -3,6 +3,7 @@
     jaxserve serve [--model PATH] [--config PRESET.toml] [--host 127.0.0.1] [--port 8000]
     jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+    jaxserve bench offline [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the
@@ -133,6 +134,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_offline(args: argparse.Namespace) -> int:
+    from jaxserve.bench.offline_bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference runtime in JAX/XLA for TPUs and GPUs.")
@@ -178,11 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench.serve_bench import add_arguments
+    from jaxserve.bench import offline_bench, serve_bench
 
     bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
-    add_arguments(bench_serve)
+    serve_bench.add_arguments(bench_serve)
     bench_serve.set_defaults(handler=_bench_serve)
+    bench_offline = bench_kinds.add_parser(
+        "offline", help="generation throughput vs transformers, decode roofline")
+    offline_bench.add_arguments(bench_offline)
+    bench_offline.set_defaults(handler=_bench_offline)
     return parser
 
 

@@ -62,7 +62,8 @@ def test_flags_override_the_preset(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"],
-                                  ["convert", "--help"], ["bench", "serve", "--help"]])
+                                  ["convert", "--help"], ["bench", "serve", "--help"],
+                                  ["bench", "offline", "--help"]])
 def test_help_everywhere(argv):
     out = subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], capture_output=True,
                          text=True, timeout=120)
