@@ -222,3 +222,34 @@ def test_logprobs_are_the_models_log_softmax(model, folder):
         assert set(entry) == set(top3.tolist()) and token == top3[0]
         for t, value in entry.items():
             assert abs(value - row[t]) < 1e-4
+
+
+def test_fresh_prefill_fast_path_equals_the_reference():
+    """jnp_attention's own-tokens case against pallas_kernels.reference on a fresh step
+    (three prompts from position 0, padding tokens and a padding sequence), and its fallback
+    on a step with cached context."""
+    import jax
+    import pallas_kernels
+    from jaxserve.model import jnp_attention
+
+    rng = np.random.default_rng(0)
+    page, hkv, hq, d = 16, 2, 4, 16
+    q_lens, tokens = [5, 17, 1], 32
+    pages = jax.numpy.zeros((12, page, hkv, d), jax.numpy.float32)
+    k_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
+    v_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
+    q = rng.normal(size=(tokens, hq, d)).astype(np.float32)
+    page_indices = np.array([[1, 2], [3, 4], [5, 6], [0, 0]], np.int32)
+    cu = np.array([0, 5, 22, 23, 23], np.int32)
+    slots = np.full(tokens, -1, np.int32)
+    for s, n in enumerate(q_lens):
+        pos = np.arange(n)
+        slots[cu[s]:cu[s] + n] = page_indices[s][pos // page] * page + pos % page
+    for kv_lens in ([5, 17, 1, 0], [9, 17, 1, 0]):  # fresh; then seq 0 with 4 cached tokens
+        kv_lens = np.array(kv_lens, np.int32)
+        k_pages, v_pages = pallas_kernels.write_kv(pages, pages, k_new, v_new, slots)
+        args = (k_pages, v_pages, kv_lens, page_indices, cu, np.array([3], np.int32))
+        ours = jax.jit(jnp_attention.ragged_attention, static_argnums=9)(
+            q, k_new, v_new, *args, 4)
+        expected = pallas_kernels.reference.ragged_paged_attention(q, *args, sliding_window=4)
+        np.testing.assert_allclose(np.asarray(ours)[:23], np.asarray(expected)[:23], atol=1e-5)

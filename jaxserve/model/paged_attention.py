@@ -1,5 +1,6 @@
 """Paged-KV attention for the serving engine: write the step's K/V into the donated page
-cache, then attend with `ragged_paged_attention` (the Pallas kernel, or its jnp reference).
+cache, then attend with `ragged_paged_attention` (the Pallas kernels), or on CPU with the jnp
+path of `jnp_attention`.
 
 The call signature is the model's `AttentionFn`; tokens are a flat ragged batch `[T]`.
 With a `mesh`, the cache write and the kernel run inside `jax.shard_map` over the "model"
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 import sharding
+from jaxserve.model import jnp_attention
 
 
 @jax.tree_util.register_dataclass
@@ -37,9 +39,14 @@ class PagedAttention:
         """Attention on the heads at hand: q [T, Hq, D], k/v [T, Hkv, D], pages
         [N, page_size, Hkv, D] → out [T, Hq, D] and the updated pages."""
         k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slot_mapping)
-        out = pallas_kernels.ragged_paged_attention(
-            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sliding_window=self.sliding_window, backend=self.backend)
+        if self.backend == "reference":  # the jnp path, with a fast case for fresh prefills
+            out = jnp_attention.ragged_attention(
+                q, k, v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                self.sliding_window)
+        else:
+            out = pallas_kernels.ragged_paged_attention(
+                q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                sliding_window=self.sliding_window, backend=self.backend)
         return out, (k_pages, v_pages)
 
     def __call__(self, layer_index, q, k, v, layer_cache):
