@@ -225,9 +225,9 @@ def test_logprobs_are_the_models_log_softmax(model, folder):
 
 
 def test_fresh_prefill_fast_path_equals_the_reference():
-    """jnp_attention's own-tokens case against pallas_kernels.reference on a fresh step
-    (three prompts from position 0, padding tokens and a padding sequence), and its fallback
-    on a step with cached context."""
+    """jnp_attention against pallas_kernels.reference: a fresh step (three prompts from
+    position 0, padding tokens and a padding sequence), a step mixing them with a decode row
+    (fast path), and a step with a multi-token chunk after cached context (fallback)."""
     import jax
     import pallas_kernels
     from jaxserve.model import jnp_attention
@@ -245,7 +245,7 @@ def test_fresh_prefill_fast_path_equals_the_reference():
     for s, n in enumerate(q_lens):
         pos = np.arange(n)
         slots[cu[s]:cu[s] + n] = page_indices[s][pos // page] * page + pos % page
-    for kv_lens in ([5, 17, 1, 0], [9, 17, 1, 0]):  # fresh; then seq 0 with 4 cached tokens
+    for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [9, 17, 1, 0]):
         kv_lens = np.array(kv_lens, np.int32)
         k_pages, v_pages = pallas_kernels.write_kv(pages, pages, k_new, v_new, slots)
         args = (k_pages, v_pages, kv_lens, page_indices, cu, np.array([3], np.int32))

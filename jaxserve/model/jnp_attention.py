@@ -1,11 +1,12 @@
 """Ragged paged attention in plain jnp, fast enough for CPU serving.
 
 The reference in `pallas_kernels.reference` gathers every query token's whole page table
-(`[T, max_model_len, Hkv, D]` copied per layer), which dominates a CPU prefill. A step whose
-sequences have no cached context — fresh prompts, chunk 0 of each — needs none of it: every
-key it may attend to is one of the step's own new tokens. Such steps attend among their own
-tokens (`[T, T]`, masked to same-sequence and causal); other steps (decode, later prefill
-chunks, prefix-cache hits) fall back to the reference. The choice is a `lax.cond`, so one
+(`[T, max_model_len, Hkv, D]` copied per layer), which dominates a CPU step. Most steps of
+continuous batching need far less: fresh prompts (no cached context) attend only to the
+step's own new tokens (`[T, T]`, masked to same-sequence and causal), and decode rows (one
+token after cached context) need one page-table gather per sequence (`[S, L]`), not per
+token. Steps made only of those two kinds take this path; others (a later chunk of a long
+prompt, a prefix-cache hit) fall back to the reference. The choice is a `lax.cond`, so one
 compiled program serves both and only the chosen branch runs.
 """
 
@@ -23,7 +24,8 @@ def ragged_attention(q, k_new, v_new, k_pages, v_pages, kv_lens, page_indices, c
     pages); `k_new`, `v_new` `[T, Hkv, D]` are this step's keys and values."""
     num_seqs_total = kv_lens.shape[0]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    fresh = jnp.all(kv_lens == q_lens)  # no sequence has cached context (padding: 0 == 0)
+    context = kv_lens - q_lens  # [S] cached tokens before this step's (padding rows: 0)
+    simple = jnp.all((context == 0) | (q_lens == 1))  # fresh prompts and decode rows only
 
     def from_pages():
         return reference.ragged_paged_attention(
@@ -53,4 +55,13 @@ def ragged_attention(q, k_new, v_new, k_pages, v_pages, kv_lens, page_indices, c
         out = jnp.einsum("hgtu,uhd->thgd", weights, v_new.astype(jnp.float32))  # [T, Hkv, G, D]
         return out.reshape(tokens, num_heads, head_dim).astype(q.dtype)
 
-    return jax.lax.cond(fresh, among_own_tokens, from_pages)
+    def fresh_and_decode():
+        out = among_own_tokens()  # right for fresh prompts; decode rows are replaced below
+        first = jnp.minimum(cu_q_lens[:-1], q.shape[0] - 1)  # [S] each row's first token
+        decoded = reference.paged_attention(q[first], k_pages, v_pages, kv_lens, page_indices,
+                                            sliding_window=sliding_window)  # [S, Hq, D]
+        decode_row = (context > 0) & (jnp.arange(num_seqs_total) < num_seqs[0])
+        target = jnp.where(decode_row, first, q.shape[0])  # out of range: dropped
+        return out.at[target].set(decoded, mode="drop")
+
+    return jax.lax.cond(simple, fresh_and_decode, from_pages)
