@@ -224,32 +224,36 @@ def test_logprobs_are_the_models_log_softmax(model, folder):
             assert abs(value - row[t]) < 1e-4
 
 
-def test_fresh_prefill_fast_path_equals_the_reference():
-    """jnp_attention against pallas_kernels.reference: a fresh step (three prompts from
-    position 0, padding tokens and a padding sequence), a step mixing them with a decode row
-    (fast path), and a step with a multi-token chunk after cached context (fallback)."""
+def test_cpu_attention_fast_paths_equal_the_reference():
+    """jnp_attention against pallas_kernels.reference (sliding window on) for steps of fresh
+    prompts, fresh prompts beside a decode row, a continued chunk beside a decode row (all
+    fast paths), and two continued chunks (the fallback). Three real sequences, padding
+    tokens and one padding sequence; earlier context is random K/V already in the pages."""
     import jax
     import pallas_kernels
     from jaxserve.model import jnp_attention
 
     rng = np.random.default_rng(0)
-    page, hkv, hq, d = 16, 2, 4, 16
-    q_lens, tokens = [5, 17, 1], 32
-    pages = jax.numpy.zeros((12, page, hkv, d), jax.numpy.float32)
+    page, hkv, hq, d, tokens = 16, 2, 4, 16, 32
+    q_lens = [5, 17, 1]
+    cu = np.array([0, 5, 22, 23, 23], np.int32)
+    page_indices = np.array([[1, 2], [3, 4], [5, 6], [0, 0]], np.int32)
+    cache = rng.normal(size=(2, 8, page, hkv, d)).astype(np.float32)
     k_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
     v_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
     q = rng.normal(size=(tokens, hq, d)).astype(np.float32)
-    page_indices = np.array([[1, 2], [3, 4], [5, 6], [0, 0]], np.int32)
-    cu = np.array([0, 5, 22, 23, 23], np.int32)
-    slots = np.full(tokens, -1, np.int32)
-    for s, n in enumerate(q_lens):
-        pos = np.arange(n)
-        slots[cu[s]:cu[s] + n] = page_indices[s][pos // page] * page + pos % page
-    for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [9, 17, 1, 0]):
+    attend = jax.jit(jnp_attention.ragged_attention, static_argnums=9)
+    for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [5, 27, 30, 0], [9, 27, 1, 0]):
         kv_lens = np.array(kv_lens, np.int32)
-        k_pages, v_pages = pallas_kernels.write_kv(pages, pages, k_new, v_new, slots)
+        slots = np.full(tokens, -1, np.int32)
+        for s, n in enumerate(q_lens):
+            pos = np.arange(kv_lens[s] - n, kv_lens[s])
+            slots[cu[s]:cu[s] + n] = page_indices[s][pos // page] * page + pos % page
+        k_pages, v_pages = pallas_kernels.write_kv(jax.numpy.asarray(cache[0]),
+                                                   jax.numpy.asarray(cache[1]), k_new, v_new,
+                                                   slots)
         args = (k_pages, v_pages, kv_lens, page_indices, cu, np.array([3], np.int32))
-        ours = jax.jit(jnp_attention.ragged_attention, static_argnums=9)(
-            q, k_new, v_new, *args, 4)
-        expected = pallas_kernels.reference.ragged_paged_attention(q, *args, sliding_window=4)
-        np.testing.assert_allclose(np.asarray(ours)[:23], np.asarray(expected)[:23], atol=1e-5)
+        ours = np.asarray(attend(q, k_new, v_new, *args, 6))
+        expected = np.asarray(pallas_kernels.reference.ragged_paged_attention(
+            q, *args, sliding_window=6))
+        np.testing.assert_allclose(ours, expected, atol=1e-5, err_msg=str(kv_lens))
