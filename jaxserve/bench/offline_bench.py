@@ -40,15 +40,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_random_model(folder: Path) -> None:
-    """A ~60M-parameter random Llama saved as a Hugging Face folder."""
+    """A ~60M-parameter random Llama saved as a Hugging Face folder, with a word-level
+    tokenizer (token i is the word "w<i>") so served text streams token by token."""
     import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+    vocab = 32000
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408,
                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
 
 
 def measure_read_bandwidth(megabytes: int = 512) -> float:
