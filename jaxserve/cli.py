@@ -89,8 +89,13 @@ def _serve(args: argparse.Namespace) -> int:
 
         LLM(model, dtype=dtype, **options).engine.run_follower()
         return 0
+    served_names = args.served_model_name
+    if served_names is None and args.model is None:
+        from jaxserve.default_model import DEFAULT_MODEL_NAME
+
+        served_names = [DEFAULT_MODEL_NAME]
     state = ServerState(ServerOptions(
-        model=model, served_model_name=args.served_model_name, dtype=dtype,
+        model=model, served_model_name=served_names, dtype=dtype,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests, engine_options=options))
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,

@@ -75,6 +75,7 @@ def test_readme_command_serves_the_default_model_with_real_words():
         response = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0})
         assert response.status_code == 200, response.text
+        assert response.json()["model"] == "austen-3.4m"
         text = response.json()["choices"][0]["text"]
         words = [w.strip(".,;:!?\"'") for w in text.split()]
         assert sum(w.isalpha() for w in words) >= 3, text

@@ -7,3 +7,4 @@ see README.md in it for what it is and how `jaxserve.training.train_default_mode
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL_NAME = "austen-3.4m"  # what the server calls it when no --model is given
