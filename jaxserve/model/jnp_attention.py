@@ -38,9 +38,13 @@ def ragged_attention(q, k_new, v_new, k_pages, v_pages, kv_lens, page_indices, c
             sliding_window=sliding_window)
 
     def fast():
-        out = _own_tokens_and_one_context(q, k_new, v_new, k_pages, v_pages, context,
-                                          page_indices, cu_q_lens, num_seqs, continued,
-                                          sliding_window)
+        prefill = (q_lens > 1) | ((context == 0) & (q_lens > 0))  # [S] rows beyond decode
+        out = jax.lax.cond(  # an all-decode step (every decode-loop step) skips this part
+            jnp.any(prefill),
+            lambda: _own_tokens_and_one_context(q, k_new, v_new, k_pages, v_pages, context,
+                                                page_indices, cu_q_lens, num_seqs, continued,
+                                                sliding_window),
+            lambda: jnp.zeros_like(q))
         first = jnp.minimum(cu_q_lens[:-1], q.shape[0] - 1)  # [S] each row's first token
         decoded = reference.paged_attention(q[first], k_pages, v_pages, kv_lens, page_indices,
                                             sliding_window=sliding_window)  # [S, Hq, D]
