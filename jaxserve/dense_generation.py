@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxserve.model import LlamaModel
 from jaxserve.model.dense_attention import DenseAttention, empty_dense_cache
-from jaxserve.sampler import SamplingArrays, sample
+from jaxserve.sampler import sample
 
 MIN_PROMPT_BUCKET = 16
 
@@ -142,7 +142,3 @@ class DenseGenerator:
         for i, prompt in enumerate(prompts):
             tokens[i, :len(prompt)] = prompt
         return tokens
-
-    def compiled_programs(self) -> int:
-        """How many programs the jitted functions hold (to check that buckets are reused)."""
-        return sum(f._cache_size() for f in (self._prefill, self._decode, self._logits))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sharding as sharding_rules
@@ -63,7 +62,3 @@ def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
     shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(model.num_layers)]
-
-
-def cache_bytes(caches) -> int:
-    return int(sum(np.prod(k.shape) * k.dtype.itemsize * 2 for k, _ in caches))
