@@ -68,9 +68,10 @@ class Runner:
 
     # ---- traced programs ----------------------------------------------------------------
     def _attention(self, inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs):
-        return PagedAttention(inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs,
-                              self.model_config.sliding_window, self.attention_backend,
-                              self.mesh)
+        return PagedAttention.for_step(
+            inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs,
+            page_size=self.config.page_size, sliding_window=self.model_config.sliding_window,
+            backend=self.attention_backend, mesh=self.mesh)
 
     def _step(self, state, caches, inp: StepInput):
         model = nnx.merge(self.graphdef, state)

@@ -226,9 +226,9 @@ def test_logprobs_are_the_models_log_softmax(model, folder):
 
 def test_cpu_attention_fast_paths_equal_the_reference():
     """jnp_attention against pallas_kernels.reference (sliding window on) for steps of fresh
-    prompts, fresh prompts beside a decode row, a continued chunk beside a decode row (all
-    fast paths), and two continued chunks (the fallback). Three real sequences, padding
-    tokens and one padding sequence; earlier context is random K/V already in the pages."""
+    prompts, fresh prompts beside a decode row, a continued chunk beside a decode row, and two
+    continued chunks. Three real sequences, padding tokens and one padding sequence; earlier
+    context is random K/V already in the pages."""
     import jax
     import pallas_kernels
     from jaxserve.model import jnp_attention
@@ -242,7 +242,12 @@ def test_cpu_attention_fast_paths_equal_the_reference():
     k_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
     v_new = rng.normal(size=(tokens, hkv, d)).astype(np.float32)
     q = rng.normal(size=(tokens, hq, d)).astype(np.float32)
-    attend = jax.jit(jnp_attention.ragged_attention, static_argnums=9)
+    def attend(q, k_new, v_new, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        plan = jnp_attention.plan_step(tokens, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                       page, sliding_window=6)
+        return jnp_attention.ragged_attention(q, k_new, v_new, k_pages, v_pages, page_indices,
+                                              plan)
+
     for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [5, 27, 30, 0], [9, 27, 1, 0]):
         kv_lens = np.array(kv_lens, np.int32)
         slots = np.full(tokens, -1, np.int32)
@@ -253,7 +258,7 @@ def test_cpu_attention_fast_paths_equal_the_reference():
                                                    jax.numpy.asarray(cache[1]), k_new, v_new,
                                                    slots)
         args = (k_pages, v_pages, kv_lens, page_indices, cu, np.array([3], np.int32))
-        ours = np.asarray(attend(q, k_new, v_new, *args, 6))
+        ours = np.asarray(jax.jit(attend)(q, k_new, v_new, *args))
         expected = np.asarray(pallas_kernels.reference.ragged_paged_attention(
             q, *args, sliding_window=6))
         np.testing.assert_allclose(ours, expected, atol=1e-5, err_msg=str(kv_lens))

@@ -1,6 +1,6 @@
 """Paged-KV attention for the serving engine: write the step's K/V into the donated page
 cache, then attend with `ragged_paged_attention` (the Pallas kernels), or on CPU with the jnp
-path of `jnp_attention`.
+path of `jnp_attention` (its per-step `StepPlan` built once by `for_step`).
 
 The call signature is the model's `AttentionFn`; tokens are a flat ragged batch `[T]`.
 With a `mesh`, the cache write and the kernel run inside `jax.shard_map` over the "model"
@@ -30,19 +30,31 @@ class PagedAttention:
     page_indices: jax.Array  # [S, P] int32
     cu_q_lens: jax.Array  # [S + 1] int32
     num_seqs: jax.Array  # [1] int32
+    cpu_plan: jnp_attention.StepPlan | None = None  # the jnp path's per-step masks
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
+    @classmethod
+    def for_step(cls, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                 page_size: int, sliding_window: int | None, backend: str | None,
+                 mesh: Mesh | None) -> "PagedAttention":
+        """Inside a traced step: the metadata, plus the jnp path's `StepPlan` (built once
+        here rather than in every layer) when `backend` is "reference"."""
+        plan = None
+        if backend == "reference":
+            plan = jnp_attention.plan_step(slot_mapping.shape[0], kv_lens, page_indices,
+                                           cu_q_lens, num_seqs, page_size, sliding_window)
+        return cls(slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, plan,
+                   sliding_window, backend, mesh)
+
     def _local(self, q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_indices,
-               cu_q_lens, num_seqs):
+               cu_q_lens, num_seqs, plan):
         """Attention on the heads at hand: q [T, Hq, D], k/v [T, Hkv, D], pages
         [N, page_size, Hkv, D] → out [T, Hq, D] and the updated pages."""
         k_pages, v_pages = pallas_kernels.write_kv(k_pages, v_pages, k, v, slot_mapping)
-        if self.backend == "reference":  # the jnp path, with a fast case for fresh prefills
-            out = jnp_attention.ragged_attention(
-                q, k, v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                self.sliding_window)
+        if plan is not None:  # the jnp path for CPU
+            out = jnp_attention.ragged_attention(q, k, v, k_pages, v_pages, page_indices, plan)
         else:
             out = pallas_kernels.ragged_paged_attention(
                 q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -53,8 +65,9 @@ class PagedAttention:
         k_pages, v_pages = layer_cache  # [N, page_size, Hkv, D] each
         local = self._local
         if self.mesh is not None:
-            #                  q  k  v  k_pages v_pages  metadata (replicated)
-            head_dims = (1, 1, 1, 2, 2, None, None, None, None, None)
+            #                  q  k  v  k_pages v_pages  metadata and plan (replicated)
+            head_dims = (1, 1, 1, 2, 2, None, None, None, None, None, None)
             local = sharding.shard_over_heads(local, self.mesh, head_dims, (1, (2, 2)))
         return local(q, k, v, k_pages, v_pages, self.slot_mapping, self.kv_lens,
-                     self.page_indices, self.cu_q_lens, self.num_seqs)  # out [T, Hq, D]
+                     self.page_indices, self.cu_q_lens, self.num_seqs,
+                     self.cpu_plan)  # out [T, Hq, D]
