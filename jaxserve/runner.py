@@ -142,7 +142,9 @@ class Runner:
                                     seed=jax.ShapeDtypeStruct((rows,), jnp.uint32,
                                                               sharding=sh),
                                     presence=f32(rows), frequency=f32(rows),
-                                    repetition=f32(rows)),
+                                    repetition=f32(rows),
+                                    wants_logprobs=jax.ShapeDtypeStruct((rows,), jnp.bool_,
+                                                                        sharding=sh)),
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
             history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
 
