@@ -94,6 +94,11 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         if out.chunks and all(c.seq.is_decoding for c in out.chunks):
             out.num_decode_steps = self._decode_steps(out)
+        # Decode rows in order of cached length (prompt chunks after them, in arrival order):
+        # the CPU attention gathers decode rows' pages a block of rows at a time, as far as
+        # the block's longest row, so alike rows should go together.
+        out.chunks.sort(key=lambda c: (not c.seq.is_decoding,
+                                       c.seq.num_computed_tokens if c.seq.is_decoding else 0))
         return out
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:

@@ -226,8 +226,8 @@ def test_logprobs_are_the_models_log_softmax(model, folder):
 
 def test_cpu_attention_fast_paths_equal_the_reference():
     """jnp_attention against pallas_kernels.reference (sliding window on) for steps of fresh
-    prompts, fresh prompts beside a decode row, a continued chunk beside a decode row, and two
-    continued chunks. Three real sequences, padding tokens and one padding sequence; earlier
+    prompts, fresh prompts beside a decode row (one needing both pages, one only the first), a
+    continued chunk beside a decode row, and two continued chunks. Three real sequences, padding tokens and one padding sequence; earlier
     context is random K/V already in the pages."""
     import jax
     import pallas_kernels
@@ -248,7 +248,8 @@ def test_cpu_attention_fast_paths_equal_the_reference():
         return jnp_attention.ragged_attention(q, k_new, v_new, k_pages, v_pages, page_indices,
                                               plan)
 
-    for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [5, 27, 30, 0], [9, 27, 1, 0]):
+    for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [5, 17, 10, 0], [5, 27, 30, 0],
+                    [9, 27, 1, 0]):
         kv_lens = np.array(kv_lens, np.int32)
         slots = np.full(tokens, -1, np.int32)
         for s, n in enumerate(q_lens):
