@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from jaxserve.batcher import MAX_DEVICE_STOP_IDS, StepInput
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import allocate_kv_cache, cache_sharding
-from jaxserve.model import LlamaModel
+from jaxserve.model import LlamaModel, loop_attention
 from jaxserve.model.paged_attention import PagedAttention
 from jaxserve.sampler import SampleResult, SamplingArrays, TokenCounts, sample_with_logprobs
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -100,6 +100,9 @@ class Runner:
         done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
+        context = None  # CPU: every row's cached context, gathered once for the whole loop
+        if self._gathers_loop_context(rows):
+            context = loop_attention.gather_context(caches, inp.page_indices, self.mesh)
 
         def cond(carry):
             step, _, _, done, _, _, _, _ = carry
@@ -109,9 +112,15 @@ class Runner:
             step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
-            kv_lens = jnp.where(valid, position + 1, 0)
-            attention = self._attention(slots, kv_lens, inp.page_indices, cu_q_lens,
-                                        inp.num_seqs)
+            if context is None:
+                kv_lens = jnp.where(valid, position + 1, 0)
+                attention = self._attention(slots, kv_lens, inp.page_indices, cu_q_lens,
+                                            inp.num_seqs)
+            else:
+                plan = loop_attention.plan_loop_step(
+                    inp.positions, position, valid, inp.page_indices, page_size, steps,
+                    self.model_config.sliding_window)
+                attention = loop_attention.LoopAttention(slots, context, plan, self.mesh)
             hidden, caches = model(current, position, caches, attention)  # [S, E]
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts)
@@ -127,6 +136,15 @@ class Runner:
         carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
         _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
         return out, count, caches  # SampleResult of [S, K], counts [S]
+
+    def _gathers_loop_context(self, rows: int) -> bool:
+        """Whether the decode loop gathers its rows' context once (CPU, if it fits)."""
+        cfg, model = self.config, self.model_config
+        local_kv_heads = model.num_kv_heads // self.mesh.shape["model"]
+        itemsize = self.caches[0][0].dtype.itemsize
+        return self.attention_backend == "reference" and loop_attention.fits(
+            rows, cfg.pages_per_seq, cfg.page_size, local_kv_heads, model.head_dim,
+            model.num_layers, itemsize)
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
