@@ -18,9 +18,10 @@ class SamplingParams:
     temperature 0 is greedy. Penalties follow vLLM: presence and frequency penalties count
     generated tokens, the repetition penalty (divide positive logits, multiply negative ones)
     every token seen, prompt included. `logprobs` N returns, per generated token, its
-    log-probability and the N most likely tokens' (of the model's raw distribution). top_k -1 (or 0) means the whole vocabulary; top_p 1.0 and min_p 0.0
-    disable those filters. `stop` strings end the text before the string; `stop_token_ids` and
-    the model's eos end it after the token (eos unless `ignore_eos`). `seed` makes sampling
+    log-probability and the N most likely tokens' (of the model's raw distribution). top_k -1
+    (or 0) means the whole vocabulary; top_p 1.0 and min_p 0.0 disable those filters. `stop`
+    strings end the text before the string; `stop_token_ids` and the model's eos end it
+    after the token (eos unless `ignore_eos`). `seed` makes sampling
     reproducible: the same seed and prompt give the same tokens whatever else is batched.
     """
 

@@ -13,8 +13,9 @@ from jaxserve.model import jnp_attention, loop_attention
 def test_cpu_attention_fast_paths_equal_the_reference():
     """jnp_attention against pallas_kernels.reference (sliding window on) for steps of fresh
     prompts, fresh prompts beside a decode row (one needing both pages, one only the first), a
-    continued chunk beside a decode row, and two continued chunks. Three real sequences, padding tokens and one padding sequence; earlier
-    context is random K/V already in the pages."""
+    continued chunk beside a decode row, and two continued chunks. Three real sequences,
+    padding tokens and one padding sequence; earlier context is random K/V already in the
+    pages."""
     rng = np.random.default_rng(0)
     page, hkv, hq, d, tokens = 16, 2, 4, 16, 32
     q_lens = [5, 17, 1]

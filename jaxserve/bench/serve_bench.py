@@ -2,8 +2,9 @@
 
 Requests go to `/v1/completions` with `stream: true`, at a Poisson rate (`--request-rate`) or
 all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
-`--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths drawn around `--input-len`; every
-request asks for exactly `--output-len` tokens (`ignore_eos`). Reports completed/failed,
+`--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths
+drawn around `--input-len`; every request asks for exactly `--output-len` tokens
+(`ignore_eos`). Reports completed/failed,
 request and token throughput, TTFT, TPOT (per request, excluding the first token), ITL
 (between streamed chunks) and end-to-end latency as mean/p50/p90/p99, and goodput: requests
 per second meeting every SLO given. Prints a table, optionally writes JSON and a CDF plot.

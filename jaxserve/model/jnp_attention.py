@@ -46,6 +46,7 @@ class StepPlan:
     continued: jax.Array  # [S] int32, rows of chunks after cached context first
     num_continued: jax.Array  # [] int32
     first: jax.Array  # [S] int32, each row's first token
+    q_lens: jax.Array  # [S] int32, each row's tokens in this step
     decode_row: jax.Array  # [S] bool
     decode_bias: jax.Array  # [S, L] float32, 0 where a decode row sees its cached slot
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -78,7 +79,8 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
         own_bias=bias(own), has_chunks=jnp.any(chunk_row), context=context,
         continued=jnp.nonzero(continued, size=rows, fill_value=0)[0].astype(jnp.int32),
         num_continued=jnp.sum(continued).astype(jnp.int32),
-        first=jnp.minimum(cu_q_lens[:-1], num_tokens - 1), decode_row=decode_row,
+        first=jnp.minimum(cu_q_lens[:-1], num_tokens - 1), q_lens=q_lens,
+        decode_row=decode_row,
         decode_bias=bias(cached)))
     return StepPlan(**arrays, sliding_window=sliding_window)
 
@@ -97,8 +99,8 @@ def ragged_attention(q, k_new, v_new, k_pages, v_pages, page_indices, plan: Step
 
         def add_context(i, parts):
             row = plan.continued[i]
-            return _merge(parts, _one_context(queries, k_pages, v_pages, page_indices[row],
-                                              row, plan))
+            return _add_one_context(parts, queries, k_pages, v_pages, page_indices[row], row,
+                                    plan)
 
         parts = jax.lax.fori_loop(0, plan.num_continued, add_context, parts)
         return _normalize(parts).transpose(2, 0, 1, 3).reshape(q.shape).astype(q.dtype)
@@ -148,20 +150,59 @@ def _own_tokens(queries, k_new, v_new, own_bias):
     return _partial(scores, values)
 
 
-def _one_context(queries, k_pages, v_pages, pages, row, plan: StepPlan):
-    """The tokens of sequence `row` against its cached context (pages `[P]`); the other
-    tokens see nothing here."""
+def _add_one_context(parts, queries, k_pages, v_pages, pages, row, plan: StepPlan):
+    """Merge into `parts` the attention of sequence `row`'s tokens to its cached context
+    (its page table `pages [P]`).
+
+    Only a window of the step's queries around that sequence's tokens takes part: the
+    smallest quarter of T that holds them (a `lax.switch` over the four static sizes). Its
+    context is read a quarter of the page table at a time, for as many quarters as it fills.
+    """
+    tokens = queries.shape[2]
+    sizes = sorted({-(-tokens * k // 4) for k in (1, 2, 3, 4)})
+    count = plan.q_lens[row]
+
+    def windowed(size, parts):
+        begin = jnp.clip(plan.first[row], 0, tokens - size)  # the window holds the chunk
+        take = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, begin, size, axis)  # noqa: E731
+        window = (take(queries, 2), (take(plan.seq, 0) == row) & take(plan.valid, 0),
+                  take(plan.pos, 0))
+        merged = _merge(jax.tree.map(lambda a: take(a, 2), parts),
+                        _context_of(*window, k_pages, v_pages, pages, plan.context[row],
+                                    plan.sliding_window))
+        return jax.tree.map(lambda a, m: jax.lax.dynamic_update_slice_in_dim(a, m, begin, 2),
+                            parts, merged)
+
+    branches = [functools.partial(windowed, size) for size in sizes]
+    return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), branches, parts)
+
+
+def _context_of(queries, mine, pos, k_pages, v_pages, pages, context_len, sliding_window):
+    """queries `[Hkv, G, W, D]` (those with `mine [W]` set belong to the sequence, at
+    positions `pos [W]`) against the first `context_len` cached tokens of page table `pages`.
+    Returns a `_partial`-style triple over the W queries."""
     num_kv_heads, head_dim = k_pages.shape[2:]
-    keys = k_pages[pages].reshape(-1, num_kv_heads, head_dim)  # [L, Hkv, D]
-    values = v_pages[pages].reshape(-1, num_kv_heads, head_dim)
-    slot = jnp.arange(keys.shape[0])  # [L] context positions
-    visible = ((plan.seq == row) & plan.valid)[:, None] & (slot[None, :] < plan.context[row])
-    if plan.sliding_window is not None:
-        visible &= plan.pos[:, None] - slot[None, :] < plan.sliding_window
-    keys = keys.astype(jnp.float32).transpose(1, 0, 2)  # [Hkv, L, D]
-    values = values.astype(jnp.float32).transpose(1, 0, 2)
-    scores = jnp.einsum("hgtd,hud->hgtu", queries, keys)  # [Hkv, G, T, L]
-    return _partial(jnp.where(visible, scores, -jnp.inf), values)
+    page_size, pages_per_seq = k_pages.shape[1], pages.shape[0]
+    per_part = -(-pages_per_seq // 4)  # pages read per loop turn
+
+    def one_part(part, parts):
+        column = part * per_part + jnp.arange(per_part)  # [p] page-table columns
+        chosen = pages[jnp.minimum(column, pages_per_seq - 1)]
+        keys = k_pages[chosen].reshape(-1, num_kv_heads, head_dim)  # [p * page_size, Hkv, D]
+        values = v_pages[chosen].reshape(-1, num_kv_heads, head_dim)
+        slot = (column[:, None] * page_size + jnp.arange(page_size)).reshape(-1)  # positions
+        visible = mine[:, None] & (slot[None, :] < context_len)  # [W, p * page_size]
+        if sliding_window is not None:
+            visible &= pos[:, None] - slot[None, :] < sliding_window
+        keys = keys.astype(jnp.float32).transpose(1, 0, 2)  # [Hkv, p * page_size, D]
+        values = values.astype(jnp.float32).transpose(1, 0, 2)
+        scores = jnp.einsum("hgtd,hud->hgtu", queries, keys)
+        return _merge(parts, _partial(jnp.where(visible, scores, -jnp.inf), values))
+
+    empty = (jnp.full(queries.shape[:-1], -jnp.inf), jnp.zeros(queries.shape[:-1]),
+             jnp.zeros(queries.shape))
+    turns = (context_len + per_part * page_size - 1) // (per_part * page_size)
+    return jax.lax.fori_loop(0, turns, one_part, empty)
 
 
 def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
