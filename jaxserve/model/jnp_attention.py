@@ -7,8 +7,10 @@ continuous batching needs far less, so attention here is split by what each row 
   is all a fresh prompt needs;
 - a multi-token chunk after cached context (a prompt continued from an earlier step, or one
   whose prefix came from the prefix cache) also attends to that context: one loop turn per
-  such sequence, gathering only its pages;
-- decode rows (one token after cached context) attend to their pages, a few rows at a time.
+  such sequence, over only the window of queries that holds its tokens and only the pages
+  its context fills;
+- decode rows (one token after cached context) attend to their pages, a few rows at a time
+  (the decode loop instead gathers its rows' context once: `loop_attention`).
 The first two are joined with the log-sum-exp merge of an online softmax. Each part is
 skipped at run time when the step has no rows of its kind.
 
