@@ -33,6 +33,16 @@ import jax.numpy as jnp
 DECODE_BLOCK_ROWS = 4  # decode rows gathered together; their pages stay in cache
 
 
+def visibility_bias(visible: jax.Array) -> jax.Array:
+    """A boolean mask as an additive float32 bias: 0 where visible, -inf elsewhere."""
+    return jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _quarters(size: int) -> list[int]:
+    """The static sizes a `lax.switch` picks from: `size` rounded up in quarters."""
+    return sorted({-(-size * k // 4) for k in (1, 2, 3, 4)})
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepPlan:
@@ -75,15 +85,14 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
     if sliding_window is not None:
         own &= pos[:, None] - pos[None, :] < sliding_window
         cached &= kv_lens[:, None] - 1 - slot[None, :] < sliding_window
-    bias = lambda visible: jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)  # noqa: E731
     arrays = jax.lax.optimization_barrier(dict(
         seq=seq.astype(jnp.int32), pos=pos.astype(jnp.int32), valid=valid,
-        own_bias=bias(own), has_chunks=jnp.any(chunk_row), context=context,
+        own_bias=visibility_bias(own), has_chunks=jnp.any(chunk_row), context=context,
         continued=jnp.nonzero(continued, size=rows, fill_value=0)[0].astype(jnp.int32),
         num_continued=jnp.sum(continued).astype(jnp.int32),
         first=jnp.minimum(cu_q_lens[:-1], num_tokens - 1), q_lens=q_lens,
         decode_row=decode_row,
-        decode_bias=bias(cached)))
+        decode_bias=visibility_bias(cached)))
     return StepPlan(**arrays, sliding_window=sliding_window)
 
 
@@ -161,7 +170,7 @@ def _add_one_context(parts, queries, k_pages, v_pages, pages, row, plan: StepPla
     context is read a quarter of the page table at a time, for as many quarters as it fills.
     """
     tokens = queries.shape[2]
-    sizes = sorted({-(-tokens * k // 4) for k in (1, 2, 3, 4)})
+    sizes = _quarters(tokens)
     count = plan.q_lens[row]
 
     def windowed(size, parts):
@@ -219,7 +228,7 @@ def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
     pages_per_seq = page_indices.shape[1]
     page_size, num_kv_heads = k_pages.shape[1:3]
     block = math.gcd(rows, DECODE_BLOCK_ROWS)
-    widths = sorted({-(-pages_per_seq * k // 4) for k in (1, 2, 3, 4)})  # pages, ascending
+    widths = _quarters(pages_per_seq)  # pages, ascending
 
     def attend(width, q, pages, bias):  # static width; [b, Hq, D], [b, P], [b, L]
         keys = k_pages[pages[:, :width]].reshape(block, -1, num_kv_heads, head_dim)

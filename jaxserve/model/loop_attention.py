@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 import sharding
+from jaxserve.model.jnp_attention import visibility_bias
 
 MAX_CONTEXT_BYTES = 1 << 30  # gathered K and V of all layers, per device
 
@@ -81,8 +82,8 @@ def plan_loop_step(start, position, live, page_indices, page_size: int, max_step
     if sliding_window is not None:
         context &= position[:, None] - slot[None, :] < sliding_window
         tail &= position[:, None] - tail_pos < sliding_window
-    bias = lambda visible: jnp.where(visible, 0.0, -jnp.inf).astype(jnp.float32)  # noqa: E731
-    return LoopStepPlan(bias(context), tail_pages.astype(jnp.int32), bias(tail))
+    return LoopStepPlan(visibility_bias(context), tail_pages.astype(jnp.int32),
+                        visibility_bias(tail))
 
 
 def _attend(q, k_pages, v_pages, context_keys, context_values, plan: LoopStepPlan):
