@@ -100,9 +100,9 @@ class Runner:
         done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
-        context = None  # CPU: every row's cached context, gathered once for the whole loop
-        if self._gathers_loop_context(rows):
-            context = loop_attention.gather_context(caches, inp.page_indices, self.mesh)
+        gathers = self._gathers_loop_context(rows)
+        if gathers:  # CPU: every row's cached context, gathered once and carried in the loop
+            caches = loop_attention.with_context(caches, inp.page_indices, self.mesh)
 
         def cond(carry):
             step, _, _, done, _, _, _, _ = carry
@@ -112,15 +112,16 @@ class Runner:
             step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
-            if context is None:
+            if gathers:
+                width = inp.page_indices.shape[1] * page_size
+                attention = loop_attention.LoopAttention(
+                    slots, position,
+                    loop_attention.context_bias(position, valid, width,
+                                                self.model_config.sliding_window), self.mesh)
+            else:
                 kv_lens = jnp.where(valid, position + 1, 0)
                 attention = self._attention(slots, kv_lens, inp.page_indices, cu_q_lens,
                                             inp.num_seqs)
-            else:
-                plan = loop_attention.plan_loop_step(
-                    inp.positions, position, valid, inp.page_indices, page_size, steps,
-                    self.model_config.sliding_window)
-                attention = loop_attention.LoopAttention(slots, context, plan, self.mesh)
             hidden, caches = model(current, position, caches, attention)  # [S, E]
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts)
@@ -135,6 +136,7 @@ class Runner:
 
         carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
         _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
+        caches = [layer_cache[:2] for layer_cache in caches]  # the pages, without any context
         return out, count, caches  # SampleResult of [S, K], counts [S]
 
     def _gathers_loop_context(self, rows: int) -> bool:

@@ -52,35 +52,39 @@ def test_cpu_attention_fast_paths_equal_the_reference():
 def test_decode_loop_attention_equals_the_reference(sliding_window):
     """Six loop steps of three rows (one padding row) whose loop tokens cross a page edge.
     The context is gathered once before the loop; each step then writes the row's new K/V and
-    attends. The pages at and after each row's start are overwritten with fresh values after
-    the gather, so reading stale gathered slots instead of the loop's own tokens would show."""
+    attends over the carried context. The pages at and after each row's start are overwritten
+    with fresh values after the gather, so reading stale gathered slots instead of the loop's
+    own tokens would show."""
     rng = np.random.default_rng(1)
     page, hkv, hq, d, steps = 16, 2, 4, 16, 6
     page_indices = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 0, 0]],
                             np.int32)
+    width = page_indices.shape[1] * page
     start = np.array([5, 20, 30, 0], np.int32)  # cached tokens before the loop
     live = np.array([True, True, True, False])
     k_pages, v_pages = (jnp.asarray(rng.normal(size=(13, page, hkv, d)), jnp.float32)
                         for _ in range(2))
-    [context] = loop_attention.gather_context([(k_pages, v_pages)], page_indices, None)
+    [(_, _, keys, values)] = loop_attention.with_context([(k_pages, v_pages)], page_indices,
+                                                          None)
     k_pages, v_pages = np.array(k_pages), np.array(v_pages)
     for row in range(3):  # everything from the row's start on changes after the gather
-        for pos in range(start[row], page_indices.shape[1] * page):
+        for pos in range(start[row], width):
             slot = (page_indices[row, pos // page], pos % page)
             k_pages[slot], v_pages[slot] = rng.normal(size=(2, hkv, d))
+    layer_cache = (k_pages, v_pages, keys, values)
     for step in range(steps):
         position = start + step  # [S] the token fed this step
         slots = np.where(live, page_indices[np.arange(4), position // page] * page
                          + position % page, -1).astype(np.int32)
         q = rng.normal(size=(4, hq, d)).astype(np.float32)
         k_new, v_new = (rng.normal(size=(4, hkv, d)).astype(np.float32) for _ in range(2))
-        plan = loop_attention.plan_loop_step(start, position, live, page_indices, page, steps,
-                                             sliding_window)
-        attention = loop_attention.LoopAttention(slots, [context], plan)
-        ours, (k_pages, v_pages) = jax.jit(lambda att, *args: att(0, *args))(
-            attention, q, k_new, v_new, (k_pages, v_pages))
+        attention = loop_attention.LoopAttention(
+            slots, position,
+            loop_attention.context_bias(position, live, width, sliding_window))
+        ours, layer_cache = jax.jit(lambda att, *args: att(0, *args))(
+            attention, q, k_new, v_new, layer_cache)
         expected = pallas_kernels.reference.paged_attention(
-            q, k_pages, v_pages, np.where(live, position + 1, 0).astype(np.int32),
+            q, *layer_cache[:2], np.where(live, position + 1, 0).astype(np.int32),
             page_indices, sliding_window=sliding_window)
         np.testing.assert_allclose(np.asarray(ours)[live], np.asarray(expected)[live],
                                    atol=1e-5, err_msg=f"step {step}")

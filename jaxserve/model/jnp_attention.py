@@ -226,23 +226,14 @@ def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
     skipped. The scheduler orders rows by length, so a block's rows are alike."""
     rows, num_heads, head_dim = q_rows.shape
     pages_per_seq = page_indices.shape[1]
-    page_size, num_kv_heads = k_pages.shape[1:3]
+    page_size = k_pages.shape[1]
     block = math.gcd(rows, DECODE_BLOCK_ROWS)
     widths = _quarters(pages_per_seq)  # pages, ascending
 
     def attend(width, q, pages, bias):  # static width; [b, Hq, D], [b, P], [b, L]
-        keys = k_pages[pages[:, :width]].reshape(block, -1, num_kv_heads, head_dim)
-        values = v_pages[pages[:, :width]].reshape(block, -1, num_kv_heads, head_dim)
-        qg = q.astype(jnp.float32).reshape(block, num_kv_heads, -1, head_dim)  # [b, Hkv, G, D]
-        scores = jnp.einsum("bhgd,blhd->bhgl", qg * head_dim ** -0.5,
-                            keys.astype(jnp.float32))  # [b, Hkv, G, width * page_size]
-        scores = scores + bias[:, None, None, :width * page_size]
-        peak = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
-        total = weights.sum(-1, keepdims=True)
-        out = jnp.einsum("bhgl,blhd->bhgd", weights, values.astype(jnp.float32))
-        out = jnp.where(total > 0, out / jnp.maximum(total, 1e-30), 0.0)
-        return out.reshape(block, num_heads, head_dim).astype(q.dtype)
+        return row_attention(q, gather_rows(k_pages, pages[:, :width]),
+                             gather_rows(v_pages, pages[:, :width]),
+                             bias[:, :width * page_size])
 
     branches = [lambda q, *_: jnp.zeros_like(q)] + [
         functools.partial(attend, width) for width in widths]
@@ -259,3 +250,48 @@ def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
     out = jax.lax.map(one_block, (blocks(q_rows), blocks(page_indices), blocks(decode_bias),
                                   blocks(active)))
     return out.reshape(rows, num_heads, head_dim)
+
+
+def gather_rows(pages, page_indices):
+    """Each row's pages in order, heads-major: pages `[N, page_size, Hkv, D]`, page_indices
+    `[B, P]` → `[B, Hkv, P * page_size, D]`, so that slot j of a row holds its position j.
+
+    One gather of `[page_size, D]` slices indexed by (page, head): XLA's CPU gather copies
+    those rows directly into the heads-major result, about twice as fast as gathering whole
+    pages and transposing after (2.8 against 5.3 ms for 32 rows of 640 tokens). Indices are
+    clamped (`CLIP`), which costs little."""
+    rows, pages_per_seq = page_indices.shape
+    page_size, num_kv_heads, head_dim = pages.shape[1:]
+    shape = (rows, num_kv_heads, pages_per_seq)
+    head = jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None], shape)
+    start = jnp.stack([jnp.broadcast_to(page_indices[:, None, :], shape), head], axis=-1)
+    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(0, 2),
+                                             start_index_map=(0, 2))
+    out = jax.lax.gather(pages, start, numbers, slice_sizes=(1, page_size, 1, head_dim),
+                         mode=jax.lax.GatherScatterMode.CLIP)  # [B, Hkv, P, page_size, D]
+    return out.reshape(rows, num_kv_heads, -1, head_dim)
+
+
+def row_attention(q, keys, values, bias):
+    """One query per row against that row's keys: q `[B, Hq, D]`, keys and values
+    `[B, Hkv, L, D]`, bias `[B, L]` (0 where visible, -inf elsewhere) → `[B, Hq, D]`; a row
+    that sees nothing gives zeros.
+
+    q·k is one batched matrix-vector product per query head of a group: in XLA's CPU dots
+    that reads the keys at memory speed, 1.5x faster than one `[G, D] x [D, L]` product per
+    (row, head) and 10x faster than `[G, D] x [L, D]^T` (60M bench model, 32 rows of 640)."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    queries = q.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim)
+    queries = queries * head_dim ** -0.5  # [B, Hkv, G, D]
+    keys = keys.astype(jnp.float32)
+    scores = jnp.stack([jnp.einsum("bhld,bhd->bhl", keys, queries[:, :, g])
+                        for g in range(group)], axis=2)  # [B, Hkv, G, L]
+    scores = scores + bias[:, None, None, :]
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    out = jnp.einsum("bhgl,bhld->bhgd", weights, values.astype(jnp.float32))
+    out = jnp.where(total > 0, out / jnp.maximum(total, 1e-30), 0.0)  # [B, Hkv, G, D]
+    return out.reshape(rows, num_heads, head_dim).astype(q.dtype)

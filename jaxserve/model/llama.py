@@ -85,7 +85,10 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
-        out = jnp.einsum("...hd,hde->...e", out.astype(x.dtype), self.o_proj[...])
+        # One [Hq * D, E] matmul: as an einsum over (h, d), XLA CPU may transpose the weight
+        # (a copy of all of o_proj) in every step to suit the attention output's layout.
+        out = out.astype(x.dtype).reshape(*out.shape[:-2], -1)  # [..., Hq * D]
+        out = out @ self.o_proj[...].reshape(-1, self.o_proj.shape[-1])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out, layer_cache
