@@ -57,12 +57,19 @@ class Runner:
         self.attention_backend = attention_backend
         self.replicated = NamedSharding(mesh, P())
         caches_sh = [(cache_sh, cache_sh)] * len(self.caches)
+        context_sh = loop_attention.context_sharding(mesh)
+        self._contexts_sh = [(context_sh, context_sh)] * len(self.caches)
+        decode = lambda context_shardings: jax.jit(  # noqa: E731
+            self._decode, donate_argnums=(1, 2),
+            out_shardings=(self.replicated, self.replicated, caches_sh, context_shardings))
         self._jitted = {
             "step": jax.jit(self._step, donate_argnums=(1,),
                             out_shardings=(self.replicated, caches_sh)),
-            "decode": jax.jit(self._decode, donate_argnums=(1,),
-                              out_shardings=(self.replicated, self.replicated, caches_sh))}
+            "decode": decode([]),  # the Pallas kernels read pages in place
+            "decode_over_context": decode(self._contexts_sh),  # CPU
+            "gather": jax.jit(self._gather_context, out_shardings=self._contexts_sh)}
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._held: loop_attention.HeldContext | None = None  # the last decode loop's context
         self.warmed_up = False
         self.compiles_after_warmup = 0
 
@@ -83,7 +90,11 @@ class Runner:
                                           inp.sampling)
         return sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts), caches
 
-    def _decode(self, state, caches, inp: StepInput, num_steps):
+    def _gather_context(self, caches, page_indices):
+        return loop_attention.gather_context(caches, page_indices, self.mesh)
+
+    def _decode(self, state, caches, context, inp: StepInput, num_steps):
+        """`context`: per layer (keys, values) from `_gather_context` on CPU, else `[]`."""
         model = nnx.merge(self.graphdef, state)
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
@@ -100,9 +111,8 @@ class Runner:
         done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
-        gathers = self._gathers_loop_context(rows)
-        if gathers:  # CPU: every row's cached context, gathered once and carried in the loop
-            caches = loop_attention.with_context(caches, inp.page_indices, self.mesh)
+        if context:  # CPU: every row's cached context rides along with its layer's pages
+            caches = [(*pages, *keys_values) for pages, keys_values in zip(caches, context)]
 
         def cond(carry):
             step, _, _, done, _, _, _, _ = carry
@@ -112,7 +122,7 @@ class Runner:
             step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
-            if gathers:
+            if context:
                 width = inp.page_indices.shape[1] * page_size
                 attention = loop_attention.LoopAttention(
                     slots, position,
@@ -136,8 +146,9 @@ class Runner:
 
         carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
         _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
-        caches = [layer_cache[:2] for layer_cache in caches]  # the pages, without any context
-        return out, count, caches  # SampleResult of [S, K], counts [S]
+        context = [layer_cache[2:] for layer_cache in caches] if context else []
+        caches = [layer_cache[:2] for layer_cache in caches]
+        return out, count, caches, context  # SampleResult of [S, K], counts [S]
 
     def _gathers_loop_context(self, rows: int) -> bool:
         """Whether the decode loop gathers its rows' context once (CPU, if it fits)."""
@@ -147,6 +158,17 @@ class Runner:
         return self.attention_backend == "reference" and loop_attention.fits(
             rows, cfg.pages_per_seq, cfg.page_size, local_kv_heads, model.head_dim,
             model.num_layers, itemsize)
+
+    def _context_shapes(self, rows: int) -> list:
+        """The decode loop's context argument for `rows` rows (`[]` if it gathers none)."""
+        if not self._gathers_loop_context(rows):
+            return []
+        model = self.model_config
+        shape = (loop_attention.context_rows(rows), model.num_kv_heads,
+                 self.config.pages_per_seq * self.config.page_size, model.head_dim)
+        dtype = self.caches[0][0].dtype
+        return jax.tree.map(lambda sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
+                            self._contexts_sh)
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
@@ -168,6 +190,19 @@ class Runner:
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
             history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
 
+    def program_inputs(self, kind: str, tokens: int, rows: int) -> tuple[jax.stages.Wrapped,
+                                                                           list]:
+        """The jitted function of a program and its abstract arguments (what `lower` takes)."""
+        inputs = self._input_shapes(tokens, rows)
+        if kind == "step":
+            return self._jitted["step"], [self.state, self.caches, inputs]
+        if kind == "gather":
+            return self._jitted["gather"], [self.caches, inputs.page_indices]
+        context = self._context_shapes(rows)
+        steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        jitted = self._jitted["decode_over_context" if context else "decode"]
+        return jitted, [self.state, self.caches, context, inputs, steps]
+
     def _program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         key = (kind, tokens, rows)
         if key not in self._compiled:
@@ -176,10 +211,8 @@ class Runner:
                     raise CompileAfterWarmupError(
                         f"program {key} was not compiled at warm-up (strict_compile=True)")
                 self.compiles_after_warmup += 1
-            args = [self.state, self.caches, self._input_shapes(tokens, rows)]
-            if kind == "decode":
-                args.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
-            self._compiled[key] = self._jitted[kind].lower(*args).compile()
+            jitted, args = self.program_inputs(kind, tokens, rows)
+            self._compiled[key] = jitted.lower(*args).compile()
         return self._compiled[key]
 
     def bucket_programs(self) -> list[tuple[str, int, int]]:
@@ -188,6 +221,7 @@ class Runner:
         keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
         if cfg.num_decode_steps > 1:
             keys += [("decode", s, s) for s in cfg.seq_buckets]
+            keys += [("gather", s, s) for s in cfg.seq_buckets if self._gathers_loop_context(s)]
         return keys
 
     def warm_up(self, progress: bool = True) -> None:
@@ -214,6 +248,7 @@ class Runner:
     def launch_step(self, inp: StepInput) -> SampleResult:
         """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
         program = self._program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
+        self._held = None  # the step writes tokens a held context would lack
         result, self.caches = program(self.state, self.caches, self._place(inp))
         return result
 
@@ -222,9 +257,26 @@ class Runner:
         `[S, K, ...]`) and how many each row produced `[S]`."""
         rows = inp.kv_lens.shape[0]
         program = self._program("decode", rows, rows)
-        out, count, self.caches = program(self.state, self.caches,
-                                          *self._place((inp, np.int32(num_steps))))
+        placed, steps = self._place((inp, np.int32(num_steps)))
+        context = self._starting_context(inp, placed.page_indices)
+        out, count, self.caches, context = program(self.state, self.caches, context, placed,
+                                                   steps)
+        if context:
+            self._held = loop_attention.HeldContext(context, inp.page_indices, inp.positions,
+                                                    count, int(inp.num_seqs[0]))
         return out, count
+
+    def _starting_context(self, inp: StepInput, placed_page_indices) -> list:
+        """A decode loop's context on CPU: the last loop's when this one continues the same
+        rows, else freshly gathered; `[]` where the loop gathers none."""
+        held, self._held = self._held, None
+        rows = inp.kv_lens.shape[0]
+        if not self._gathers_loop_context(rows):
+            return []
+        if held is not None and held.serves(inp.page_indices, inp.positions,
+                                            int(inp.num_seqs[0]), self.config.page_size):
+            return held.arrays
+        return self._program("gather", rows, rows)(self.caches, placed_page_indices)
 
     def step(self, inp: StepInput) -> SampleResult:
         """One forward; returns what every row sampled (numpy, fields `[S, ...]`)."""

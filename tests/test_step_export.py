@@ -3,7 +3,7 @@
 CI has no accelerator, so this is where it proves that a bucket's programs still compile for
 one: a `Runner` is built as the engine builds it (Pallas backend, i.e. the kernels pick
 Mosaic or Triton at lowering time; the model placed on a one-device mesh) but not warmed up,
-and the programs it would compile (`runner._jitted`: the "step" forward of one bucket and
+and the programs it would compile (`runner.program_inputs`: the "step" forward of one bucket and
 the "decode" loop, with their donation and output shardings) are exported with `jax.export`
 for each platform from this CPU machine. The exported module must carry that platform's
 kernel call and not the other platform's, and keep every layer's K and V cache donated.
@@ -45,23 +45,15 @@ def make_runner(folder, dtype):
     return Runner(model, config, config.num_pages, backend, mesh)
 
 
-def program_args(runner, kind):
-    """Abstract arguments of a program, as `Runner._program` passes them to `lower`."""
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        [runner.state, runner.caches])
-    args.append(runner._input_shapes(TOKENS if kind == "step" else ROWS, ROWS))
-    if kind == "decode":
-        args.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=runner.replicated))
-    return args
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("kind", ["step", "decode"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_program_lowers(folder, platform, kind, dtype):
     runner = make_runner(folder, dtype)
-    exported = jax.export.export(runner._jitted[kind], platforms=[platform],
-                                 disabled_checks=DISABLED)(*program_args(runner, kind))
+    jitted, args = runner.program_inputs(kind, TOKENS if kind == "step" else ROWS, ROWS)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        args)
+    exported = jax.export.export(jitted, platforms=[platform], disabled_checks=DISABLED)(*args)
     text = exported.mlir_module()
     assert CUSTOM_CALL[platform] in text
     assert OTHER_CALL[platform] not in text

@@ -3,11 +3,15 @@
 Inside `Runner`'s decode loop every step attends the same rows to the same cached context
 plus the few tokens the loop itself has added. The per-step path (`jnp_attention`) gathers
 every row's pages in every step and layer, which on CPU costs more than the attention
-arithmetic. Here the gather happens once per loop (`with_context`): each layer's cache gains
-the rows' keys and values heads-major, `[S, Hkv, L, D]`, where L covers the whole page table
-so that column j holds position j. Each step writes its new K/V both into the pages (they
-outlive the loop) and into column `position` of that context, then attends over the context
-alone: one softmax over one set of keys.
+arithmetic. Here the rows' keys and values are gathered heads-major (`gather_context`,
+`[S, Hkv, L, D]` per layer, L covering the whole page table so that column j holds position
+j) and carried through the loop beside the pages. Each step writes its new K/V both into the
+pages (they outlive the loop) and into column `position` of that context, then attends over
+the context alone: one softmax over one set of keys.
+
+At the loop's end the context holds every row's tokens so far. The runner keeps it
+(`HeldContext`), and a next loop over the very same rows starts from it without gathering;
+any other step drops it.
 
 Only for the CPU ("reference") backend, and only when the gathered context of all layers fits
 `MAX_CONTEXT_BYTES`; the Pallas kernels read pages in place and need none of this.
@@ -19,7 +23,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 import sharding
@@ -39,21 +44,57 @@ def fits(rows: int, pages_per_seq: int, page_size: int, num_kv_heads: int, head_
     return per_layer * num_layers <= MAX_CONTEXT_BYTES
 
 
+def context_rows(rows: int) -> int:
+    """Rows of the gathered context of a loop over `rows` rows."""
+    return max(rows, MIN_CONTEXT_ROWS)
+
+
+def context_sharding(mesh: Mesh) -> NamedSharding:
+    """The context `[S, Hkv, L, D]` split on kv heads like the pages."""
+    return NamedSharding(mesh, P(None, sharding.LOGICAL_AXIS_RULES["kv_heads"]))
+
+
 def _gather(k_pages, v_pages, page_indices):
     """Pages `[N, page_size, Hkv, D]`, page_indices `[S, P]` → keys, values `[S, Hkv, L, D]`."""
     return gather_rows(k_pages, page_indices), gather_rows(v_pages, page_indices)
 
 
-def with_context(caches, page_indices, mesh: Mesh | None) -> list:
-    """Per layer `(k_pages, v_pages)` → `(k_pages, v_pages, keys, values)`: the cache the
-    loop carries, its context split on heads over a mesh like the pages."""
-    if page_indices.shape[0] < MIN_CONTEXT_ROWS:
-        page_indices = jnp.repeat(page_indices, MIN_CONTEXT_ROWS, axis=0)
+def gather_context(caches, page_indices, mesh: Mesh | None) -> list:
+    """Per layer `(k_pages, v_pages)` → `(keys, values)`, each `[context_rows(S), Hkv, L, D]`
+    (a one-row loop's row twice), split on heads over a mesh like the pages."""
+    rows = page_indices.shape[0]
+    page_indices = jnp.repeat(page_indices, context_rows(rows) // rows, axis=0)
     gather = _gather
     if mesh is not None:
         gather = sharding.shard_over_heads(_gather, mesh, (2, 2, None), (1, 1))
-    return [(k_pages, v_pages, *gather(k_pages, v_pages, page_indices))
-            for k_pages, v_pages in caches]
+    return [gather(k_pages, v_pages, page_indices) for k_pages, v_pages in caches]
+
+
+@dataclasses.dataclass
+class HeldContext:
+    """What a finished decode loop leaves for the next one: its gathered context, now holding
+    every row's tokens up to where the row stopped, and what it was gathered for."""
+
+    arrays: list  # per layer (keys, values) on device, from `gather_context`
+    page_indices: np.ndarray  # [S, P] the loop's page tables
+    positions: np.ndarray  # [S] each row's position when the loop began
+    produced: jax.Array  # [S] tokens each row produced in the loop (on device)
+    num_seqs: int
+
+    def serves(self, page_indices: np.ndarray, positions: np.ndarray, num_seqs: int,
+               page_size: int) -> bool:
+        """Whether a new loop (its host inputs) continues exactly these rows: every real row
+        in the same place, at the position the last loop left it, with the same pages under
+        its context. Rows past `num_seqs` are padding and do not matter."""
+        if page_indices.shape != self.page_indices.shape or num_seqs > self.num_seqs:
+            return False
+        reached = (self.positions + np.asarray(self.produced))[:num_seqs]  # [n]
+        if not np.array_equal(positions[:num_seqs], reached):
+            return False
+        first_slot = np.arange(page_indices.shape[1]) * page_size  # [P]
+        under = first_slot[None, :] < reached[:, None]  # [n, P] pages holding context
+        return np.array_equal(np.where(under, page_indices[:num_seqs], 0),
+                              np.where(under, self.page_indices[:num_seqs], 0))
 
 
 def context_bias(position, live, width: int, sliding_window: int | None) -> jax.Array:
@@ -79,7 +120,7 @@ def _write_column(context, new, column):
 @dataclasses.dataclass
 class LoopAttention:
     """The model's `AttentionFn` for one decode-loop step on CPU (one token per row); its
-    layer cache is `(k_pages, v_pages, keys, values)` from `with_context`."""
+    layer cache is `(k_pages, v_pages, keys, values)`, the context from `gather_context`."""
 
     slot_mapping: jax.Array  # [S] int32 page slots, -1 for finished or padding rows
     column: jax.Array  # [S] int32 context column of the new token: its position
