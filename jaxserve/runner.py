@@ -163,12 +163,10 @@ class Runner:
         """The decode loop's context argument for `rows` rows (`[]` if it gathers none)."""
         if not self._gathers_loop_context(rows):
             return []
-        model = self.model_config
-        shape = (loop_attention.context_rows(rows), model.num_kv_heads,
-                 self.config.pages_per_seq * self.config.page_size, model.head_dim)
-        dtype = self.caches[0][0].dtype
-        return jax.tree.map(lambda sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh),
-                            self._contexts_sh)
+        page_indices = self._input_shapes(rows, rows).page_indices
+        shapes = jax.eval_shape(self._gather_context, self.caches, page_indices)
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            shapes, self._contexts_sh)
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
