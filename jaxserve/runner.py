@@ -1,11 +1,14 @@
 """Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
 
-Two kinds of program, both taking the weights, the donated KV cache and a `StepInput`:
+The programs (the first two take the weights, the donated KV cache and a `StepInput`):
 - "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
   decode tokens, K/V written into the cache, one token sampled per sequence.
 - "decode" (S): `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled
   token back, with stop tokens and per-row limits checked on device, so several tokens come
   back per host round-trip.
+- on CPU also "gather" (S): the decode rows' context gathered from the pages, which the decode
+  loop carries and returns (`loop_attention`). The runner keeps the returned context, and a
+  next loop over the very same rows starts from it instead of gathering again.
 
 Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
 a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.

@@ -93,6 +93,28 @@ def test_seeded_sampling_equals_dense_path_and_multi_step_equals_single_step(mod
     assert outputs[0] == dense_reference(model, prompts, params, [p.seed for p in params])
 
 
+def test_decode_loops_over_the_same_rows_gather_their_context_once(model, folder):
+    """On CPU a decode loop over the rows the last loop ran starts from that loop's context;
+    anything else gathers anew: here the first loop of a, b and d, the loop after a mixed step
+    (c arrives at step 3; the same bucket of 8 rows) and the loop after a, b and d finish (c
+    alone, another bucket). Greedy outputs equal the dense path, so a context reused after the
+    mixed step (missing its tokens, c's row not gathered) would show."""
+    engine = make_engine(model, folder)
+    gathers = []
+    for key, program in list(engine.runner._compiled.items()):
+        if key[0] == "gather":
+            engine.runner._compiled[key] = (
+                lambda *args, program=program: gathers.append(1) or program(*args))
+    prompts = [list(range(2, 20)), list(range(30, 35)), list(range(90, 100)),
+               list(range(40, 80))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = [(r, prompt, params) for r, prompt in zip("abd", prompts)]
+    sequences, _ = run_to_completion(engine, {0: first, 3: [("c", prompts[3], params)]})
+    assert len(gathers) == 3
+    assert [sequences[r].output_token_ids for r in "abdc"] == dense_reference(
+        model, prompts, [params] * 4, [0] * 4)
+
+
 def test_prefix_cache_hits_and_outputs_unchanged(model, folder):
     shared = list(range(2, 50))  # 3 full pages
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
