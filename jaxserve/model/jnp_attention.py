@@ -192,21 +192,18 @@ def _context_of(queries, mine, pos, k_pages, v_pages, pages, context_len, slidin
     """queries `[Hkv, G, W, D]` (those with `mine [W]` set belong to the sequence, at
     positions `pos [W]`) against the first `context_len` cached tokens of page table `pages`.
     Returns a `_partial`-style triple over the W queries."""
-    num_kv_heads, head_dim = k_pages.shape[2:]
     page_size, pages_per_seq = k_pages.shape[1], pages.shape[0]
     per_part = -(-pages_per_seq // 4)  # pages read per loop turn
 
     def one_part(part, parts):
         column = part * per_part + jnp.arange(per_part)  # [p] page-table columns
-        chosen = pages[jnp.minimum(column, pages_per_seq - 1)]
-        keys = k_pages[chosen].reshape(-1, num_kv_heads, head_dim)  # [p * page_size, Hkv, D]
-        values = v_pages[chosen].reshape(-1, num_kv_heads, head_dim)
+        chosen = pages[jnp.minimum(column, pages_per_seq - 1)][None]  # [1, p]
+        keys = gather_rows(k_pages, chosen)[0].astype(jnp.float32)  # [Hkv, p * page_size, D]
+        values = gather_rows(v_pages, chosen)[0].astype(jnp.float32)
         slot = (column[:, None] * page_size + jnp.arange(page_size)).reshape(-1)  # positions
         visible = mine[:, None] & (slot[None, :] < context_len)  # [W, p * page_size]
         if sliding_window is not None:
             visible &= pos[:, None] - slot[None, :] < sliding_window
-        keys = keys.astype(jnp.float32).transpose(1, 0, 2)  # [Hkv, p * page_size, D]
-        values = values.astype(jnp.float32).transpose(1, 0, 2)
         scores = jnp.einsum("hgtd,hud->hgtu", queries, keys)
         return _merge(parts, _partial(jnp.where(visible, scores, -jnp.inf), values))
 

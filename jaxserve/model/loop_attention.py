@@ -5,9 +5,9 @@ plus the few tokens the loop itself has added. The per-step path (`jnp_attention
 every row's pages in every step and layer, which on CPU costs more than the attention
 arithmetic. Here the rows' keys and values are gathered heads-major (`gather_context`: keys
 `[S, Hkv, D, L]`, values `[S, Hkv, L, D]` per layer, L covering the whole page table so that
-column j holds position j) and carried through the loop beside the pages. Each step writes its new K/V both into the
-pages (they outlive the loop) and into column `position` of that context, then attends over
-the context alone: one softmax over one set of keys.
+column j holds position j) and carried through the loop beside the pages. Each step writes
+its new K/V both into the pages (they outlive the loop) and into column `position` of that
+context, then attends over the context alone: one softmax over one set of keys.
 
 At the loop's end the context holds every row's tokens so far. The runner keeps it
 (`HeldContext`), and a next loop over the very same rows starts from it without gathering;
@@ -40,7 +40,8 @@ MIN_CONTEXT_ROWS = 2
 def fits(rows: int, pages_per_seq: int, page_size: int, num_kv_heads: int, head_dim: int,
          num_layers: int, itemsize: int) -> bool:
     """Whether a loop over `rows` rows may gather their whole context up front."""
-    per_layer = 2 * rows * pages_per_seq * page_size * num_kv_heads * head_dim * itemsize
+    width = pages_per_seq * page_size
+    per_layer = 2 * context_rows(rows) * num_kv_heads * width * head_dim * itemsize
     return per_layer * num_layers <= MAX_CONTEXT_BYTES
 
 
@@ -146,7 +147,7 @@ class LoopAttention:
     def __call__(self, layer_index, q, k, v, layer_cache):
         local = self._local
         if self.mesh is not None:
-            #            q  k  v  pages context  column, slots, bias (replicated)
+            #            q  k  v  pages context  slots, column, bias (replicated)
             head_dims = (1, 1, 1, 2, 2, 1, 1, None, None, None)
             local = sharding.shard_over_heads(local, self.mesh, head_dims, (1, (2, 2, 1, 1)))
         return local(q, k, v, *layer_cache, self.slot_mapping, self.column,
