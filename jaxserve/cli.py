@@ -5,6 +5,7 @@
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
     jaxserve bench offline [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
+    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the
 built-in defaults (the `cpu` preset on CPU), `--config FILE`, then flags given explicitly.
@@ -133,6 +134,32 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxserve.aot.plan import build_plan
+    from jaxserve.aot.report import format_plan
+    from jaxserve.presets import load_preset, reference_model_dir
+
+    if not args.config:
+        raise ValueError("plan needs --config PRESET (a file in tpu_configs/ or gpu_configs/)")
+    preset = load_preset(args.config)
+    import jax
+
+    if not jax.config.jax_platforms:  # the host compiles; never probe for attached chips
+        jax.config.update("jax_platforms", "cpu")
+    model_dir = reference_model_dir(args.model) if args.model else preset.plan_model_dir()
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS
+               if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    plan = build_plan(preset, model_dir, args.dtype, options, all_buckets=args.all_buckets,
+                      verbose=args.verbose, progress=not args.json,
+                      model_name=args.model or preset.plan_model)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan, args.verbose))
+    return 0 if plan["fits"] else 1
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from jaxserve.bench.serve_bench import run_from_args
 
@@ -187,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--model", required=True, help="Hugging Face model folder")
     convert.add_argument("--out", required=True, help="checkpoint folder to create")
     convert.set_defaults(handler=_convert)
+
+    plan = commands.add_parser(
+        "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
+                     "report memory per device and whether it fits (exit 0 fits, 1 not)")
+    _add_model_options(plan)
+    plan.set_defaults(model=None)
+    plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    plan.add_argument("--all-buckets", action="store_true",
+                      help="compile every bucket (default: each kind's smallest and largest)")
+    plan.add_argument("--verbose", action="store_true",
+                      help="also the Triton kernels' registers, spills and shared memory (GPU)")
+    plan.set_defaults(handler=_plan)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)

@@ -68,11 +68,13 @@ def enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def attention_backend_for(config: EngineConfig) -> str | None:
-    """"auto": Pallas kernels on TPU/GPU, the jnp reference on CPU (interpret mode is slow)."""
+def attention_backend_for(config: EngineConfig, platform: str | None = None) -> str | None:
+    """"auto": Pallas kernels on TPU/GPU, the jnp reference on CPU (interpret mode is slow).
+    `platform`: where the programs will run (default: JAX's default backend)."""
     if config.attention_backend == "reference":
         return "reference"
-    if config.attention_backend == "auto" and jax.default_backend() == "cpu":
+    platform = platform or jax.default_backend()
+    if config.attention_backend == "auto" and platform == "cpu":
         return "reference"
     return None  # the kernels pick their backend at lowering time
 

@@ -36,15 +36,25 @@ def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
     """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
     for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
     on the mesh: each device holds 1/tensor_parallel_size of its kv heads."""
-    if engine.num_pages is not None:
-        return engine.num_pages
-    one_page = page_bytes(model, engine.page_size, dtype) // tensor_parallel_size
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        budget = int(free * engine.kv_cache_memory_fraction)
-        pages = budget // one_page
+        return pages_for_memory(model, engine, dtype, stats["bytes_limit"],
+                                stats.get("bytes_in_use", 0), tensor_parallel_size)
+    return pages_for_memory(model, engine, dtype, None, 0, tensor_parallel_size)
+
+
+def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
+                     bytes_in_use: int, tensor_parallel_size: int = 1) -> int:
+    """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
+    bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
+    limit. `jaxserve plan` calls this with the numbers of a device that is not attached."""
+    if engine.num_pages is not None:
+        return engine.num_pages
+    one_page = page_bytes(model, engine.page_size, dtype) // tensor_parallel_size
+    if bytes_limit is not None:
+        budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
+        pages = max(budget, 0) // one_page
     else:
         wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
         pages = min(wanted, CPU_KV_CACHE_BYTES // one_page)
@@ -62,3 +72,12 @@ def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
     shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(model.num_layers)]
+
+
+def abstract_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                      sharding=None) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+    """The shapes, dtype and sharding `allocate_kv_cache` would give, with no memory (for
+    compiling programs for devices that are not attached)."""
+    shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
+    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    return [(page, page) for _ in range(model.num_layers)]

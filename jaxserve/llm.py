@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import checkpoint
-from jaxserve.config import load_config
+from jaxserve.config import ModelConfig, load_config
 from jaxserve.engine import Engine, engine_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
@@ -58,14 +58,25 @@ def _eos_ids(model_dir: Path, config_ids, tokenizer: Tokenizer | None) -> set[in
     return ids
 
 
+def engine_config_for(config: ModelConfig, engine_options: dict[str, Any]) -> EngineConfig:
+    """The engine options checked against each other and the model (`max_model_len`
+    defaults to the model's `max_position_embeddings` and may not exceed it)."""
+    unknown = sorted(set(engine_options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {list(ENGINE_OPTIONS)}")
+    limit = config.max_position_embeddings
+    engine_config = EngineConfig(**{"max_model_len": limit, **engine_options})
+    if engine_config.max_model_len > limit:
+        raise ValueError(f"max_model_len ({engine_config.max_model_len}) exceeds the "
+                         f"model's max_position_embeddings ({limit})")
+    return engine_config
+
+
 class LLM:
     """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
 
     def __init__(self, model: str, dtype: str = "auto", progress: bool = True,
                  **engine_options: Any):
-        unknown = sorted(set(engine_options) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known: {list(ENGINE_OPTIONS)}")
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise ValueError(f"model {model!r} is not a folder")
@@ -73,12 +84,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype)
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        limit = self.config.max_position_embeddings
-        engine_options.setdefault("max_model_len", limit)
-        self.engine_config = EngineConfig(**engine_options)
-        if self.engine_config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({self.engine_config.max_model_len}) exceeds the "
-                             f"model's max_position_embeddings ({limit})")
+        self.engine_config = engine_config_for(self.config, engine_options)
         mesh = engine_mesh(self.engine_config)
         if checkpoint.is_checkpoint(model_dir):
             self.model = checkpoint.restore(model_dir, self.config, self.dtype, mesh)

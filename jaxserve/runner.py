@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.batcher import MAX_DEVICE_STOP_IDS, StepInput
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import allocate_kv_cache, cache_sharding
+from jaxserve.kv_cache import abstract_kv_cache, allocate_kv_cache, cache_sharding
 from jaxserve.model import LlamaModel, loop_attention
 from jaxserve.model.paged_attention import PagedAttention
 from jaxserve.sampler import SampleResult, SamplingArrays, TokenCounts, sample_with_logprobs
@@ -48,15 +48,19 @@ class Runner:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int,
                  attention_backend: str | None, mesh: Mesh):
-        """`model` must already be placed on `mesh` (`jaxserve.weights.shard_model`)."""
+        """`model` must already be placed on `mesh` (`jaxserve.weights.shard_model`), or be
+        abstract (parameters `jax.ShapeDtypeStruct`s with their shardings, as `jaxserve plan`
+        builds it): then the KV cache is abstract too and the programs can only be compiled,
+        not run."""
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
-        dtype = model.embed[...].dtype
+        embed = model.embed.get_value()
         cache_sh = cache_sharding(mesh)
-        self.caches = allocate_kv_cache(model.config, num_pages, config.page_size, dtype,
-                                        cache_sh)
+        allocate = (abstract_kv_cache if isinstance(embed, jax.ShapeDtypeStruct)
+                    else allocate_kv_cache)
+        self.caches = allocate(model.config, num_pages, config.page_size, embed.dtype, cache_sh)
         self.attention_backend = attention_backend
         self.replicated = NamedSharding(mesh, P())
         caches_sh = [(cache_sh, cache_sh)] * len(self.caches)

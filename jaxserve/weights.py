@@ -132,6 +132,20 @@ def abstract_model(cfg: ModelConfig, dtype) -> LlamaModel:
     return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0)))
 
 
+def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaModel:
+    """The model as `load_weights(..., mesh=mesh)` would place it, every parameter a
+    `jax.ShapeDtypeStruct` carrying its sharding (no memory anywhere): what `jaxserve plan`
+    compiles against. `cfg` is the checkpoint's own config."""
+    stored, _ = sharded_config(cfg, mesh)
+    shardings = param_shardings(stored, dtype, mesh)
+    graphdef, state = nnx.split(abstract_model(stored, dtype))
+    variables = dict(nnx.to_flat_state(state))
+    for path, var in variables.items():
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path]))
+    return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
 def param_shardings(cfg: ModelConfig, dtype, mesh: Mesh) -> dict[tuple, NamedSharding]:
     """Model path → NamedSharding of every parameter of a model with config `cfg` (as
     stored on the mesh, see `sharded_config`)."""

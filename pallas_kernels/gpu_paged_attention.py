@@ -29,6 +29,21 @@ from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.work_items import WorkItems
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+MIN_BLOCK_KEYS = 16  # tl.dot needs N, K >= 16
+# Shared memory for the pipelined K and V blocks (num_stages copies of each). 64 KiB leaves
+# room for the query rows and Triton's scratch on every target: A100 offers 163 KiB per block,
+# H100/H200 227 KiB. (head_dim 256 in float32 with 64-key blocks would ask for 320 KiB.)
+KV_STAGE_BYTES = 64 << 10
+
+
+def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages: int) -> int:
+    """Keys per loop step: max(64, page_size), halved until the K and V blocks of all
+    pipeline stages fit `KV_STAGE_BYTES` of shared memory."""
+    block_keys = max(64, page_size)
+    while (block_keys > MIN_BLOCK_KEYS
+           and 2 * num_stages * block_keys * head_dim * itemsize > KV_STAGE_BYTES):
+        block_keys //= 2
+    return block_keys
 
 
 def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref,
@@ -92,11 +107,12 @@ def attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_
     q [I, Hkv, R, D] (row r = query token r // group); k_pages, v_pages
     [N, page_size, Hkv, D]; page_indices int32 [S, P]; items: WorkItems of [I].
     Returns [I, Hkv, R, D]. block_keys: keys per loop step (default
-    max(64, page_size)); must be a power of two.
+    `default_block_keys`); must be a power of two.
     """
     num_items, num_kv_heads, rows, head_dim = q.shape
     num_pages, page_size = k_pages.shape[:2]
-    block_keys = max(64, page_size) if block_keys is None else block_keys
+    if block_keys is None:
+        block_keys = default_block_keys(page_size, head_dim, k_pages.dtype.itemsize, num_stages)
     padded_rows = max(MIN_DOT_ROWS, pl.next_power_of_2(rows))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [I, Hkv, R', D]
     kernel = functools.partial(

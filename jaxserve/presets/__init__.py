@@ -2,12 +2,18 @@
 one kind of hardware (`tpu_configs/`, `gpu_configs/` at the repository root; `cpu.toml`
 here, used by default on CPU).
 
-    [hardware]  platform = "tpu" | "gpu" | "cpu", devices = chips the preset expects
+    [hardware]  platform = "tpu" | "gpu" | "cpu", devices = chips the preset expects,
+                accelerator = the chip kind ("v5e", "v6e", "v5p", "h100", "h200", "a100-80g")
+    [plan]      model = the reference model shape the preset's numbers were planned with
+                (a folder name under `reference_models/`, or a path to a model folder)
     [mesh]      tensor_parallel_size, data_parallel_size
     [model]     dtype, max_model_len
     [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching
     [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
                 seq_buckets
+
+The header comment's numbers (KV GiB, tokens, compile times) come from
+`jaxserve plan --config PRESET` with the `[plan]` model, not from arithmetic by hand.
 
 Every field is checked when the file is read: an unknown section or field, a wrong type, or
 a mesh that does not fit the declared devices is a `ValueError` naming it.
@@ -21,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 CPU_PRESET = Path(__file__).with_name("cpu.toml")
+REFERENCE_MODELS = Path(__file__).with_name("reference_models")
 PLATFORMS = ("tpu", "gpu", "cpu")
 
 # section → field → accepted type(s)
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hardware": {"platform": str, "devices": int},
+    "hardware": {"platform": str, "devices": int, "accelerator": str},
+    "plan": {"model": str},
     "mesh": {"tensor_parallel_size": int, "data_parallel_size": int},
     "model": {"dtype": str, "max_model_len": int},
     "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
@@ -44,6 +52,21 @@ class Preset:
     devices: int
     dtype: str | None
     engine_options: dict[str, Any]
+    accelerator: str | None = None
+    plan_model: str | None = None
+
+    def plan_model_dir(self) -> Path:
+        """The folder of the `[plan]` model: a reference shape's name or a path."""
+        if self.plan_model is None:
+            raise ValueError(f"{self.path.name} names no [plan] model; pass --model")
+        return reference_model_dir(self.plan_model)
+
+
+def reference_model_dir(name_or_path: str) -> Path:
+    """A shipped reference shape by name (`reference_models/<name>/config.json`), else the
+    path itself."""
+    shipped = REFERENCE_MODELS / name_or_path
+    return shipped if (shipped / "config.json").is_file() else Path(name_or_path)
 
 
 def load_preset(path: str | Path) -> Preset:
@@ -80,4 +103,5 @@ def load_preset(path: str | Path) -> Preset:
         raise ValueError(f"{path.name}: mesh tensor_parallel_size x data_parallel_size = {mesh} "
                          f"does not divide the {devices} declared devices")
     dtype = values.pop("dtype", None)
-    return Preset(path, platform, devices, dtype, values)
+    accelerator, plan_model = values.pop("accelerator", None), values.pop("model", None)
+    return Preset(path, platform, devices, dtype, values, accelerator, plan_model)

@@ -1,0 +1,183 @@
+"""`jaxserve plan`: build a deployment as `serve` would and compile it for hardware that is
+not attached, to prove before renting anything that every program compiles and fits.
+
+The engine is built from the same parts as `serve`'s: the preset's options checked against
+the model (`engine_config_for`), the mesh over the target's devices, the parameters placed by
+the partition rules (`abstract_sharded_model`: shapes and shardings from `config.json` alone,
+no weight files), the KV cache sized as the engine sizes it (`pages_for_memory`: a fraction of
+what the weights leave of the device's memory), and the `Runner`, whose `program_inputs` are
+what warm-up compiles. Each chosen program is traced, lowered for the target's platform and
+compiled by XLA:TPU / XLA:GPU (Mosaic and Triton compile the Pallas kernels on the way).
+
+What is checked, per device, from each compiled executable's `memory_analysis()`:
+- `cache_donated`: the KV cache input is aliased to its output (alias bytes cover the whole
+  cache), i.e. the step updates pages in place rather than copying the cache;
+- the program's peak, arguments + outputs - aliased + temporaries + code, within the device's
+  memory. `fits` holds when the weights plus the cache fit and every program's peak does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm.auto import tqdm
+
+import sharding
+from jaxserve.aot import gpu_kernels
+from jaxserve.aot.targets import Target, compile_only_devices
+from jaxserve.config import load_config
+from jaxserve.engine import attention_backend_for
+from jaxserve.kv_cache import page_bytes, pages_for_memory
+from jaxserve.llm import engine_config_for, resolve_dtype
+from jaxserve.presets import Preset
+from jaxserve.runner import Runner
+from jaxserve.weights import abstract_sharded_model, sharded_config
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """One compiled program: its bucket, what compiling it took and what it needs per device."""
+
+    name: str
+    tokens: int
+    seqs: int
+    compiled: bool = False
+    compile_seconds: float = 0.0
+    temp_bytes: int = 0
+    peak_bytes: int = 0
+    cache_donated: bool = False
+    error: str | None = None
+    kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
+
+
+def chosen_programs(runner: Runner, all_buckets: bool) -> list[tuple[str, int, int]]:
+    """The bucket programs to compile: all, or per kind the smallest and the largest."""
+    keys = runner.bucket_programs()
+    if all_buckets:
+        return keys
+    chosen = []
+    for kind in dict.fromkeys(kind for kind, _, _ in keys):
+        of_kind = sorted((k for k in keys if k[0] == kind), key=lambda k: (k[1] * k[2], k))
+        chosen += list(dict.fromkeys([of_kind[0], of_kind[-1]]))
+    return chosen
+
+
+def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_bytes: int,
+                    platform: str, dump_dir: str | None = None) -> ProgramReport:
+    """Compile one jitted program for `platform` from abstract `args` and read its needs.
+
+    `kv_cache_bytes`: the cache's bytes per device, which must all be aliased for
+    `cache_donated`. `dump_dir`: where XLA dumps the compile (GPU kernel resources)."""
+    report = ProgramReport(name, tokens, seqs)
+    started = time.perf_counter()
+    try:
+        lowered = jitted.trace(*args).lower(lowering_platforms=(platform,))
+        compiled = lowered.compile({"xla_dump_to": dump_dir} if dump_dir else None)
+    except Exception as err:  # a compile error of any kind is this program's result
+        report.error = f"{type(err).__name__}: {str(err).splitlines()[0][:500]}"
+        return report
+    report.compile_seconds = round(time.perf_counter() - started, 2)
+    memory = compiled.memory_analysis()
+    report.compiled = True
+    report.temp_bytes = int(memory.temp_size_in_bytes)
+    report.peak_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                            - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+                            + memory.generated_code_size_in_bytes)
+    report.cache_donated = memory.alias_size_in_bytes >= kv_cache_bytes
+    return report
+
+
+def weights_bytes_per_device(model) -> int:
+    """Bytes of the parameters one device holds (its shards), from their shardings."""
+    _, state = nnx.split(model)
+    total = 0
+    for _, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        shard = value.sharding.shard_shape(value.shape)
+        total += math.prod(shard) * jnp.dtype(value.dtype).itemsize
+    return total
+
+
+def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
+               overrides: dict[str, Any] | None = None, all_buckets: bool = False,
+               verbose: bool = False, progress: bool = True,
+               model_name: str | None = None) -> dict[str, Any]:
+    """The plan of `model_dir` served with `preset` (plus `overrides`), as a JSON-ready dict;
+    `model_name`: how the report names the model (default: the folder's name).
+
+    Raises `ValueError` for bad usage (an option that cannot work, a CPU preset); a plan that
+    does not fit or a program that fails to compile is a result (`fits` false, `reason`)."""
+    if preset.platform not in ("tpu", "gpu"):
+        raise ValueError(f"{preset.path.name}: plans are for tpu and gpu presets, not "
+                         f"{preset.platform!r} (on CPU, `jaxserve serve` compiles at start-up)")
+    if preset.accelerator is None:
+        raise ValueError(f"{preset.path.name}: hardware.accelerator is needed for a plan")
+    target = Target(preset.platform, preset.accelerator, preset.devices)
+    model_config = load_config(model_dir)
+    param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
+    engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})
+    mesh = sharding.make_mesh(engine.tensor_parallel_size, engine.data_parallel_size,
+                              compile_only_devices(target))
+    replica_mesh = sharding.replica_meshes(mesh)[0]  # every replica compiles the same programs
+    model = abstract_sharded_model(model_config, param_dtype, replica_mesh)
+    stored, _ = sharded_config(model_config, replica_mesh)
+    hbm = target.hbm_bytes()
+    weights = weights_bytes_per_device(model)
+    result: dict[str, Any] = {
+        "platform": target.platform, "target": target.name, "devices": target.devices,
+        "preset": preset.path.name, "model": model_name or Path(model_dir).name, "dtype": jnp.dtype(param_dtype).name,
+        "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
+        "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
+        "max_temp_bytes_per_device": 0, "programs": [], "reason": None}
+    tp = engine.tensor_parallel_size
+    try:
+        num_pages = pages_for_memory(stored, engine, param_dtype, hbm, weights, tp)
+    except ValueError as err:
+        result["reason"] = f"weights take {weights / 2**30:.2f} GiB of {hbm / 2**30:.2f} GiB " \
+                           f"per device: {err}"
+        return result
+    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, param_dtype) // tp)
+    result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
+                  max_concurrent_tokens=(num_pages - 1) * engine.page_size)
+    runner = Runner(model, engine, num_pages, attention_backend_for(engine, target.platform),
+                    replica_mesh)
+    reports = []
+    programs = chosen_programs(runner, all_buckets)
+    for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
+                                   unit="program", disable=not progress):
+        jitted, args = runner.program_inputs(kind, tokens, seqs)
+        with tempfile.TemporaryDirectory() as dump:
+            dump_dir = dump if verbose and target.platform == "gpu" else None
+            report = compile_program(jitted, args, kind, tokens, seqs, kv_bytes,
+                                     target.lowering_platform, dump_dir)
+            if dump_dir and report.compiled:
+                report.kernels = gpu_kernels.triton_kernel_resources(dump_dir)
+        reports.append(report)
+    result["programs"] = [dataclasses.asdict(r) for r in reports]
+    result["max_temp_bytes_per_device"] = max((r.temp_bytes for r in reports), default=0)
+    result["reason"] = _failure(reports, weights + kv_bytes, hbm)
+    result["fits"] = result["reason"] is None
+    return result
+
+
+def _failure(reports: list[ProgramReport], resident: int, hbm: int) -> str | None:
+    """Why the plan fails (the first reason), or None."""
+    for r in reports:
+        if not r.compiled:
+            return f"program {r.name} ({r.tokens} tokens, {r.seqs} seqs) failed: {r.error}"
+        if not r.cache_donated:
+            return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
+        if r.peak_bytes > hbm:
+            return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / 2**30:.2f} "
+                    f"GiB per device of {hbm / 2**30:.2f}")
+    if resident > hbm:
+        return f"weights + KV cache take {resident / 2**30:.2f} GiB of {hbm / 2**30:.2f}"
+    return None

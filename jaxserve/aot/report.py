@@ -1,0 +1,42 @@
+"""A plan (`jaxserve.aot.plan.build_plan`'s dict) as a table for people."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1 << 30
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
+    """Header lines (target, memory per device, verdict), then one line per program."""
+    lines = [
+        f"{plan['preset']}: {plan['model']} ({plan['dtype']}) on {plan['target']}, "
+        f"{plan['devices']} device(s)",
+        f"  per device: HBM {_gib(plan['hbm_bytes_per_device'])}, weights "
+        f"{_gib(plan['weights_bytes_per_device'])}, KV cache "
+        f"{_gib(plan['kv_cache_bytes_per_device'])} ({plan['num_pages']} pages, "
+        f"{plan['max_concurrent_tokens']} tokens), largest temporaries "
+        f"{_gib(plan['max_temp_bytes_per_device'])}",
+        f"  fits: {'yes' if plan['fits'] else 'NO'}"
+        + (f" ({plan['reason']})" if plan["reason"] else ""),
+    ]
+    if plan["programs"]:
+        lines.append(f"  {'program':<8} {'tokens':>6} {'seqs':>5} {'compile s':>9} "
+                     f"{'temp':>10} {'peak':>10}  donated")
+    for p in plan["programs"]:
+        if not p["compiled"]:
+            lines.append(f"  {p['name']:<8} {p['tokens']:>6} {p['seqs']:>5}  FAILED: {p['error']}")
+            continue
+        lines.append(f"  {p['name']:<8} {p['tokens']:>6} {p['seqs']:>5} "
+                     f"{p['compile_seconds']:>9.1f} {_gib(p['temp_bytes']):>10} "
+                     f"{_gib(p['peak_bytes']):>10}  {'yes' if p['cache_donated'] else 'NO'}")
+        for k in (p.get("kernels") or []) if verbose else []:
+            lines.append(
+                f"      {k['name']}: grid {k['grid']}, threads {k['threads'][0]}, "
+                f"{k.get('registers', '?')} registers, {k.get('spill_store_bytes', '?')} B "
+                f"spilled, {k['shared_memory_bytes']} B shared memory")
+    return "\n".join(lines)
