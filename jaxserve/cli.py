@@ -137,13 +137,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from jaxserve.aot.plan import build_plan
+    from jaxserve.aot.plan import build_plan, plan_target
     from jaxserve.aot.report import format_plan
     from jaxserve.presets import load_preset, reference_model_dir
 
     if not args.config:
         raise ValueError("plan needs --config PRESET (a file in tpu_configs/ or gpu_configs/)")
     preset = load_preset(args.config)
+    plan_target(preset)  # a preset that cannot be planned fails before any work
     import jax
 
     if not jax.config.jax_platforms:  # the host compiles; never probe for attached chips

@@ -106,6 +106,16 @@ def weights_bytes_per_device(model) -> int:
     return total
 
 
+def plan_target(preset: Preset) -> Target:
+    """What a preset's plan compiles for; `ValueError` for a preset that names none."""
+    if preset.platform not in ("tpu", "gpu"):
+        raise ValueError(f"{preset.path.name}: plans are for tpu and gpu presets, not "
+                         f"{preset.platform!r} (on CPU, `jaxserve serve` compiles at start-up)")
+    if preset.accelerator is None:
+        raise ValueError(f"{preset.path.name}: hardware.accelerator is needed for a plan")
+    return Target(preset.platform, preset.accelerator, preset.devices)
+
+
 def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                overrides: dict[str, Any] | None = None, all_buckets: bool = False,
                verbose: bool = False, progress: bool = True,
@@ -115,12 +125,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
 
     Raises `ValueError` for bad usage (an option that cannot work, a CPU preset); a plan that
     does not fit or a program that fails to compile is a result (`fits` false, `reason`)."""
-    if preset.platform not in ("tpu", "gpu"):
-        raise ValueError(f"{preset.path.name}: plans are for tpu and gpu presets, not "
-                         f"{preset.platform!r} (on CPU, `jaxserve serve` compiles at start-up)")
-    if preset.accelerator is None:
-        raise ValueError(f"{preset.path.name}: hardware.accelerator is needed for a plan")
-    target = Target(preset.platform, preset.accelerator, preset.devices)
+    target = plan_target(preset)
     model_config = load_config(model_dir)
     param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
     engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})

@@ -1,0 +1,128 @@
+"""`jaxserve plan`: a preset's programs compiled for its TPU/GPU on this CPU host, and the
+memory arithmetic checked against numbers computed here from the model's shapes alone."""
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.aot.plan import compile_program
+from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
+from jaxserve.cli import main
+
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+# A small Llama whose head_dim (128) the kernels take; only config.json, no weights.
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024,
+            hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+            max_position_embeddings=1024, rms_norm_eps=1e-5, torch_dtype="bfloat16")
+PRESET = """
+[hardware]
+platform = "{platform}"
+devices = 1
+accelerator = "{accelerator}"
+[model]
+dtype = "bfloat16"
+max_model_len = 512
+[kv_cache]
+page_size = 16
+kv_cache_memory_fraction = 0.5
+[batching]
+max_num_seqs = 8
+max_num_batched_tokens = 64
+num_decode_steps = 4
+token_buckets = [16, 64]
+seq_buckets = [2, 8]
+"""
+
+
+def run_plan(*argv) -> tuple[int, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", *map(str, argv), "--json"])
+    return code, json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_config_only")
+    (folder / "config.json").write_text(json.dumps(TINY))
+    return folder
+
+
+def tiny_weight_bytes() -> int:
+    e, i, v, hq, hkv, d, layers = (TINY[k] for k in (
+        "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "num_hidden_layers"))
+    per_layer = e * hq * d * 2 + e * hkv * d * 2 + 3 * e * i + 2 * e
+    return 2 * (2 * v * e + e + layers * per_layer)  # bfloat16
+
+
+@pytest.mark.parametrize("platform,accelerator", [("tpu", "v5e"), ("gpu", "h100")])
+def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator))
+    code, plan = run_plan("--config", preset, "--model", tiny, "--verbose")
+    assert code == 0, plan["reason"]
+    assert plan["fits"] and plan["platform"] == platform and plan["devices"] == 1
+    if platform == "tpu":
+        hbm = TPU_KINDS["v5e"].hbm_bytes
+    else:  # JAX's GPU allocator takes 0.75 of the card's memory
+        spec = (REPO / "jaxserve/aot/gpu_targets/h100.txtpb").read_text()
+        hbm = int(int(spec.split("device_memory_size:")[1].split()[0]) * 0.75)
+    assert plan["hbm_bytes_per_device"] == hbm
+    assert plan["weights_bytes_per_device"] == tiny_weight_bytes()
+    page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 128 * 2
+    pages = int((hbm - tiny_weight_bytes()) * 0.5) // page
+    assert plan["num_pages"] == pages
+    assert plan["kv_cache_bytes_per_device"] == pages * page
+    assert plan["max_concurrent_tokens"] == (pages - 1) * 16
+    shapes = [(p["name"], p["tokens"], p["seqs"]) for p in plan["programs"]]
+    assert shapes == [("step", 16, 2), ("step", 64, 8), ("decode", 2, 2), ("decode", 8, 8)]
+    for program in plan["programs"]:
+        assert program["compiled"] and program["cache_donated"], program
+        assert program["compile_seconds"] > 0
+        assert program["peak_bytes"] >= plan["weights_bytes_per_device"] + pages * page
+    assert plan["max_temp_bytes_per_device"] == max(p["temp_bytes"] for p in plan["programs"])
+    if platform == "gpu":  # --verbose: ptxas' view of the Triton kernel
+        kernels = plan["programs"][0]["kernels"]
+        assert [k["name"] for k in kernels] == ["paged_attention_triton"]
+        assert 0 < kernels[0]["registers"] <= 255 and kernels[0]["spill_store_bytes"] >= 0
+        assert 0 < kernels[0]["shared_memory_bytes"] <= 232448
+
+
+def test_oversized_plan_exits_1_with_the_numbers():
+    code, plan = run_plan("--config", REPO / "tpu_configs/v5e-1.toml", "--model",
+                          "llama-3.1-70b")
+    assert code == 1 and plan["fits"] is False
+    assert plan["weights_bytes_per_device"] > 130 * GIB > plan["hbm_bytes_per_device"]
+    assert "weights take" in plan["reason"] and plan["programs"] == []
+
+
+def test_usage_errors_exit_2(tiny, capsys):
+    assert main(["plan", "--model", str(tiny)]) == 2  # no preset
+    assert main(["plan", "--config", str(REPO / "jaxserve/presets/cpu.toml")]) == 2
+    assert "plans are for tpu and gpu presets" in capsys.readouterr().err
+
+
+def test_a_program_that_copies_the_cache_fails_the_donation_check():
+    devices = compile_only_devices(Target("tpu", "v5e", 1))
+    sh = NamedSharding(Mesh(np.array(devices), ("x",)), P())
+    cache = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16, sharding=sh)
+    new = jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16, sharding=sh)
+    write = lambda c, x: c.at[3].set(x)  # noqa: E731
+    cache_bytes = math.prod(cache.shape) * 2
+    copied = compile_program(jax.jit(write), [cache, new], "write", 16, 1, cache_bytes, "tpu")
+    donated = compile_program(jax.jit(write, donate_argnums=0), [cache, new], "write", 16, 1,
+                              cache_bytes, "tpu")
+    assert copied.compiled and not copied.cache_donated
+    assert donated.compiled and donated.cache_donated
+    assert copied.peak_bytes > donated.peak_bytes + cache_bytes // 2  # the copy costs memory
