@@ -54,7 +54,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence, Status
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import shard_model
+from jaxserve.weights import shard_model, stack_layers
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:
@@ -68,13 +68,23 @@ def enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
+    """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU.
+    `platform`: where the programs will run (default: JAX's default backend)."""
+    if config.scan_layers is not None:
+        return config.scan_layers
+    return (platform or jax.default_backend()) != "cpu"
+
+
 def attention_backend_for(config: EngineConfig, platform: str | None = None) -> str | None:
-    """"auto": Pallas kernels on TPU/GPU, the jnp reference on CPU (interpret mode is slow).
+    """"auto": Pallas kernels on TPU/GPU, the jnp reference on CPU (interpret mode is slow),
+    unless the layers are stacked (`scan_layers`), which only the kernels take.
     `platform`: where the programs will run (default: JAX's default backend)."""
     if config.attention_backend == "reference":
         return "reference"
     platform = platform or jax.default_backend()
-    if config.attention_backend == "auto" and platform == "cpu":
+    if (config.attention_backend == "auto" and platform == "cpu"
+            and not scan_layers_for(config, platform)):
         return "reference"
     return None  # the kernels pick their backend at lowering time
 
@@ -122,6 +132,9 @@ class Engine:
         enable_compilation_cache(config)
         self.mesh = engine_mesh(config)
         model = shard_model(model, self.mesh)
+        if scan_layers_for(config):
+            model = stack_layers(model)  # consumes the per-layer arrays
+        self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
         dtype = model.embed[...].dtype
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]

@@ -1,5 +1,6 @@
 """The paged KV cache: per layer `(k_pages, v_pages)`, each
-`[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), and its sizing.
+`[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), or with stacked
+layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 On a mesh the cache is split on its kv-heads axis over "model" (`cache_sharding`), like the
 k/v projections that fill it; every device holds all pages of its heads, so the page
@@ -66,18 +67,24 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
     return int(pages)
 
 
-def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                      sharding=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed per-layer caches, placed with `sharding` (default: the default device)."""
-    shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(model.num_layers)]
-
-
-def abstract_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                      sharding=None) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
-    """The shapes, dtype and sharding `allocate_kv_cache` would give, with no memory (for
-    compiling programs for devices that are not attached)."""
-    shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
+def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                    scan_layers: bool, sharding=None):
+    """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
+    `[num_pages, page_size, Hkv, D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
+    `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
+    `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
+    offsets each layer's page ids)."""
+    pages = num_pages * model.num_layers if scan_layers else num_pages
+    shape = (pages, page_size, model.num_kv_heads, model.head_dim)
     page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-    return [(page, page) for _ in range(model.num_layers)]
+    return (page, page) if scan_layers else [(page, page) for _ in range(model.num_layers)]
+
+
+def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                      sharding=None, scan_layers: bool = False):
+    """Zeroed caches laid out as `cache_structure` says, placed with `sharding` (default:
+    the default device)."""
+    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, sharding)
+    page = jax.tree.leaves(structure)[0]  # every array has the same shape
+    zeros = jax.jit(lambda: jnp.zeros(page.shape, page.dtype), out_shardings=sharding)
+    return jax.tree.map(lambda _: zeros(), structure)

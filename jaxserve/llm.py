@@ -93,6 +93,7 @@ class LLM:
                                       mesh=mesh)
         eos = _eos_ids(model_dir, self.config.eos_token_ids, self.tokenizer)
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress)
+        self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
         self._request_ids = itertools.count()
 
     # ---- prompts ----------------------------------------------------------------------

@@ -14,6 +14,11 @@ Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept p
 a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
 This is the one place that calls `jax.jit` for the model step.
 
+The KV cache has the model's layout: per-layer `(k_pages, v_pages)` for a list of layers, one
+pool of every layer's pages for stacked layers (`scan_layers`, `kv_cache.cache_structure`).
+A model whose parameters are abstract (`jaxserve plan`) gets an abstract cache: its programs
+can be compiled for a device that is not attached, never run.
+
 Everything lives on a mesh (one replica's `(1, tp)` mesh; `(1, 1)` on one device): weights
 as `jaxserve.weights.shard_model` placed them, the cache split on kv heads, step inputs and
 sampled results replicated, so every process of a multi-host run can feed the same inputs
@@ -32,7 +37,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.batcher import MAX_DEVICE_STOP_IDS, StepInput
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import abstract_kv_cache, allocate_kv_cache, cache_sharding
+from jaxserve.kv_cache import allocate_kv_cache, cache_sharding, cache_structure
 from jaxserve.model import LlamaModel, loop_attention
 from jaxserve.model.paged_attention import PagedAttention
 from jaxserve.sampler import SampleResult, SamplingArrays, TokenCounts, sample_with_logprobs
@@ -58,14 +63,20 @@ class Runner:
         self.graphdef, self.state = nnx.split(model)
         embed = model.embed.get_value()
         cache_sh = cache_sharding(mesh)
-        allocate = (abstract_kv_cache if isinstance(embed, jax.ShapeDtypeStruct)
-                    else allocate_kv_cache)
-        self.caches = allocate(model.config, num_pages, config.page_size, embed.dtype, cache_sh)
+        self.num_pages = num_pages
+        self.scan_layers = model.scan_layers
+        self.cache_dtype = jnp.dtype(embed.dtype)
+        if isinstance(embed, jax.ShapeDtypeStruct):  # abstract: compile only
+            self.caches = cache_structure(model.config, num_pages, config.page_size,
+                                          embed.dtype, self.scan_layers, cache_sh)
+        else:
+            self.caches = allocate_kv_cache(model.config, num_pages, config.page_size,
+                                            embed.dtype, cache_sh, self.scan_layers)
         self.attention_backend = attention_backend
         self.replicated = NamedSharding(mesh, P())
-        caches_sh = [(cache_sh, cache_sh)] * len(self.caches)
+        caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
         context_sh = loop_attention.context_sharding(mesh)
-        self._contexts_sh = [(context_sh, context_sh)] * len(self.caches)
+        self._contexts_sh = [(context_sh, context_sh)] * model.config.num_layers
         decode = lambda context_shardings: jax.jit(  # noqa: E731
             self._decode, donate_argnums=(1, 2),
             out_shardings=(self.replicated, self.replicated, caches_sh, context_shardings))
@@ -85,7 +96,8 @@ class Runner:
         return PagedAttention.for_step(
             inp_slots, kv_lens, page_indices, cu_q_lens, num_seqs,
             page_size=self.config.page_size, sliding_window=self.model_config.sliding_window,
-            backend=self.attention_backend, mesh=self.mesh)
+            backend=self.attention_backend, mesh=self.mesh,
+            pages_per_layer=self.num_pages if self.scan_layers else None)
 
     def _step(self, state, caches, inp: StepInput):
         model = nnx.merge(self.graphdef, state)
@@ -153,15 +165,16 @@ class Runner:
 
         carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
         _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
-        context = [layer_cache[2:] for layer_cache in caches] if context else []
-        caches = [layer_cache[:2] for layer_cache in caches]
+        if context:  # split each layer's carried (pages, context) again
+            context = [layer_cache[2:] for layer_cache in caches]
+            caches = [layer_cache[:2] for layer_cache in caches]
         return out, count, caches, context  # SampleResult of [S, K], counts [S]
 
     def _gathers_loop_context(self, rows: int) -> bool:
         """Whether the decode loop gathers its rows' context once (CPU, if it fits)."""
         cfg, model = self.config, self.model_config
         local_kv_heads = model.num_kv_heads // self.mesh.shape["model"]
-        itemsize = self.caches[0][0].dtype.itemsize
+        itemsize = self.cache_dtype.itemsize
         return self.attention_backend == "reference" and loop_attention.fits(
             rows, cfg.pages_per_seq, cfg.page_size, local_kv_heads, model.head_dim,
             model.num_layers, itemsize)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 import sharding
@@ -127,18 +127,20 @@ def sharded_config(cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, int]:
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeats), repeats
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> LlamaModel:
+def abstract_model(cfg: ModelConfig, dtype, scan_layers: bool = False) -> LlamaModel:
     """The model's structure, shapes and `logical_axes`, with no memory allocated."""
-    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0),
+                                             scan_layers=scan_layers))
 
 
-def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaModel:
-    """The model as `load_weights(..., mesh=mesh)` would place it, every parameter a
+def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh,
+                           scan_layers: bool = False) -> LlamaModel:
+    """The model as the engine would hold it on `mesh`, every parameter a
     `jax.ShapeDtypeStruct` carrying its sharding (no memory anywhere): what `jaxserve plan`
     compiles against. `cfg` is the checkpoint's own config."""
     stored, _ = sharded_config(cfg, mesh)
-    shardings = param_shardings(stored, dtype, mesh)
-    graphdef, state = nnx.split(abstract_model(stored, dtype))
+    shardings = param_shardings(stored, dtype, mesh, scan_layers)
+    graphdef, state = nnx.split(abstract_model(stored, dtype, scan_layers))
     variables = dict(nnx.to_flat_state(state))
     for path, var in variables.items():
         value = var.get_value()
@@ -146,13 +148,47 @@ def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaModel:
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
 
 
-def param_shardings(cfg: ModelConfig, dtype, mesh: Mesh) -> dict[tuple, NamedSharding]:
+def param_shardings(cfg: ModelConfig, dtype, mesh: Mesh,
+                    scan_layers: bool = False) -> dict[tuple, NamedSharding]:
     """Model path → NamedSharding of every parameter of a model with config `cfg` (as
     stored on the mesh, see `sharded_config`)."""
-    _, state = nnx.split(abstract_model(cfg, dtype))
+    _, state = nnx.split(abstract_model(cfg, dtype, scan_layers))
     return {path: NamedSharding(mesh, sharding.partition_spec(
                 var.get_metadata()["logical_axes"], var.get_value().shape, mesh))
             for path, var in nnx.to_flat_state(state)}
+
+
+def stack_layers(model: LlamaModel) -> LlamaModel:
+    """`model` (list layout, on device) in the stacked layout of `scan_layers=True`.
+
+    Each stacked parameter is allocated once with the layer's sharding plus a replicated
+    "layers" axis and filled in place one layer at a time; each per-layer array is deleted as
+    soon as it is copied, so `model` is consumed and the transient cost is one stacked
+    parameter, not a second copy of the model."""
+    if model.scan_layers:
+        return model
+    cfg, dtype = model.config, model.embed.get_value().dtype
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, scan_layers=True))
+    stacked = dict(nnx.to_flat_state(state))
+    per_layer = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    write = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(
+        stack, layer, i, 0), donate_argnums=0)
+    for path, var in stacked.items():
+        if path[0] != "layers":
+            var.set_value(per_layer.pop(path))
+            continue
+        first = per_layer[("layers", 0, *path[1:])]
+        layer_spec = first.sharding.spec
+        spec = P(None, *layer_spec, *[None] * (first.ndim - len(layer_spec)))
+        shape = var.get_value().shape
+        buffer = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype),
+                         out_shardings=NamedSharding(first.sharding.mesh, spec))()
+        for i in range(cfg.num_layers):
+            layer = per_layer.pop(("layers", i, *path[1:]))
+            buffer = write(buffer, layer, jnp.int32(i))
+            layer.delete()
+        var.set_value(buffer)
+    return nnx.merge(graphdef, nnx.from_flat_state(stacked))
 
 
 def kv_axis(path: tuple) -> int | None:

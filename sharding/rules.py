@@ -30,6 +30,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "norm": None,
+    "layers": None,  # the stacked-layers axis (`scan_layers`): every device holds all layers
 }
 
 

@@ -80,3 +80,24 @@ def test_bfloat16_mostly_agrees_with_float32(tmp_path):
     assert agree / total >= 0.9
     greedy_bf16 = bf16.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in greedy_bf16)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])
+def test_stacked_layers_match_transformers(name, tmp_path):
+    """`scan_layers=True` (the TPU/GPU default: one `lax.scan` over stacked weights, one
+    page pool for all layers, the Pallas kernels in interpret mode here) gives transformers'
+    greedy tokens, with biases, a sliding window and q/k norm. head_dim 64: the kernels'."""
+    hf_model = build_model(name, tmp_path, head_dim=64, num_layers=3)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
+              **SMALL_ENGINE)
+    assert llm.model.scan_layers
+    assert llm.model.layers.attn.q_proj.get_value().shape[0] == 3  # [L, E, Hq, D]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, output in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            reference = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert output.outputs[0].token_ids == reference

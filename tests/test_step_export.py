@@ -57,4 +57,4 @@ def test_program_lowers(folder, platform, kind, dtype):
     text = exported.mlir_module()
     assert CUSTOM_CALL[platform] in text
     assert OTHER_CALL[platform] not in text
-    assert text.count("tf.aliasing_output") == 2 * len(runner.caches)  # the caches donated
+    assert text.count("tf.aliasing_output") == len(jax.tree.leaves(runner.caches))  # donated

@@ -34,7 +34,7 @@ import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import Target, compile_only_devices
 from jaxserve.config import load_config
-from jaxserve.engine import attention_backend_for
+from jaxserve.engine import attention_backend_for, scan_layers_for
 from jaxserve.kv_cache import page_bytes, pages_for_memory
 from jaxserve.llm import engine_config_for, resolve_dtype
 from jaxserve.presets import Preset
@@ -132,13 +132,15 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     mesh = sharding.make_mesh(engine.tensor_parallel_size, engine.data_parallel_size,
                               compile_only_devices(target))
     replica_mesh = sharding.replica_meshes(mesh)[0]  # every replica compiles the same programs
-    model = abstract_sharded_model(model_config, param_dtype, replica_mesh)
+    model = abstract_sharded_model(model_config, param_dtype, replica_mesh,
+                                   scan_layers_for(engine, target.platform))
     stored, _ = sharded_config(model_config, replica_mesh)
     hbm = target.hbm_bytes()
     weights = weights_bytes_per_device(model)
     result: dict[str, Any] = {
         "platform": target.platform, "target": target.name, "devices": target.devices,
-        "preset": preset.path.name, "model": model_name or Path(model_dir).name, "dtype": jnp.dtype(param_dtype).name,
+        "preset": preset.path.name, "model": model_name or Path(model_dir).name,
+        "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
         "max_temp_bytes_per_device": 0, "programs": [], "reason": None}

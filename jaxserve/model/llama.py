@@ -2,7 +2,8 @@
 
 The model knows nothing of KV-cache layout or devices. Attention is delegated to an
 `attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
-(out, layer_cache)`, so the same weights serve the dense reference path and the paged engine.
+(out, layer_cache)`, so the same weights serve the dense reference path and the paged engine
+(with `scan_layers`, `layer_index` is traced and `layer_cache` is every layer's cache).
 Token arrays may have any leading shape (`[B, T]` for the dense path, `[T]` for a flat
 ragged batch).
 
@@ -134,25 +135,69 @@ class DecoderLayer(nnx.Module):
         return x, layer_cache
 
 
-class LlamaModel(nnx.Module):
-    """Embedding, decoder layers, final norm and language-model head."""
+def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """One `DecoderLayer` whose parameters hold all layers on a leading "layers" axis."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+    def make(layer_rngs):
+        return DecoderLayer(cfg, dtype, layer_rngs)
+
+    layers = make(rngs)
+    for _, var in nnx.to_flat_state(nnx.state(layers)):
+        var.set_metadata("logical_axes", ("layers", *var.get_metadata()["logical_axes"]))
+    return layers
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers, final norm and language-model head.
+
+    Two layouts of the decoder layers, the same arithmetic:
+    - `scan_layers=False`: a list of layers, run by a Python loop; the KV cache is a list of
+      per-layer caches, and attention is called with the layer's own cache.
+    - `scan_layers=True`: one layer of stacked parameters (`[L, ...]`), run by `lax.scan`, so
+      a program holds one copy of the layer and compiles in the same time at any depth (80
+      layers of a 70B model compile like 1). The cache is carried through the scan whole and
+      attention is called with the traced layer index and the whole cache, which it addresses
+      (`jaxserve.model.paged_attention`: one page pool of all layers).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+                 scan_layers: bool = False):
         self.config = cfg
+        self.scan_layers = scan_layers
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        if scan_layers:
+            self.layers = stacked_layers(cfg, dtype, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs)
+                                    for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
                                   ("embed", "vocab"))
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: list,
-                 attention: AttentionFn) -> tuple[jax.Array, list]:
-        """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new caches."""
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
+                 attention: AttentionFn) -> tuple[jax.Array, Any]:
+        """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
+
+        `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache."""
         x = jnp.take(self.embed[...], token_ids, axis=0)  # [..., E]
+        if self.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def one_layer(carry, index_and_params):
+                x, cache = carry
+                index, params = index_and_params
+                x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache)
+                return (x, cache), None
+
+            indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), (indices, stacked))
+            return self.final_norm(x), kv_cache
         new_caches = []
         for index, layer in enumerate(self.layers):
-            x, cache = layer(index, x, positions, attention, kv_caches[index])
+            x, cache = layer(index, x, positions, attention, kv_cache[index])
             new_caches.append(cache)
         return self.final_norm(x), new_caches
 
