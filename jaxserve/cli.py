@@ -22,7 +22,7 @@ from jaxserve import __version__
 # flag dest → engine option; only flags the user actually gives override the preset
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                 "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
-                "tensor_parallel_size", "data_parallel_size")
+                "tensor_parallel_size", "data_parallel_size", "scan_layers")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode-steps", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the layers as one lax.scan over stacked weights (default: "
+                             "on for TPU/GPU, off on CPU)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off automatic prefix caching")
     parser.add_argument("--strict-compile", action="store_true",

@@ -28,7 +28,19 @@ __all__ = ["paged_attention", "ragged_paged_attention", "write_kv", "reference"]
 
 BACKENDS = ("tpu", "gpu", "reference")
 INTERPRET_BACKEND = "gpu"  # In interpret mode ~2-5x faster than the TPU kernel (fewer grid steps).
-DEFAULT_Q_BLOCK = 16  # Query tokens per work item in ragged batches.
+DEFAULT_Q_BLOCK = 16  # Query tokens per work item in ragged batches (at most).
+# A work item's packed query rows (q_block * G of head_dim) stay within this many bytes: the
+# Triton kernel stages them in shared memory (A100: 163 KiB per block, with the K/V blocks).
+QUERY_BLOCK_BYTES = 64 << 10
+
+
+def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
+    """Query tokens per work item: DEFAULT_Q_BLOCK, halved while the item's rows
+    (q_block * group of head_dim) exceed QUERY_BLOCK_BYTES."""
+    q_block = DEFAULT_Q_BLOCK
+    while q_block > 1 and q_block * group * head_dim * itemsize > QUERY_BLOCK_BYTES:
+        q_block //= 2
+    return q_block
 
 
 def _kernel_fn(backend, interpret, **options):
@@ -84,7 +96,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
-                           interpret=None, backend=None, q_block=DEFAULT_Q_BLOCK):
+                           interpret=None, backend=None, q_block=None):
     """Attention for a flat batch of prefill chunks and decode tokens.
 
     q [T, Hq, D]; kv_lens int32[S] (total kv length incl. this step's tokens,
@@ -92,7 +104,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     num_seqs int32[1]. Query i of sequence s sits at kv_lens[s] - q_len[s] + i and
     attends causally. Rows past cu_q_lens[num_seqs] and sequences >= num_seqs are
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
-    q_block: query tokens per kernel work item.
+    q_block: query tokens per kernel work item (default: `default_q_block`).
     """
     _check_backend(backend)
     if backend == "reference":
@@ -102,6 +114,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     dims = validation.check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                    num_seqs)
     validation.check_options(sm_scale, soft_cap, sliding_window)
+    if q_block is None:
+        q_block = default_q_block(dims.group, dims.head_dim, q.dtype.itemsize)
     if q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
     num_tokens = q.shape[0]

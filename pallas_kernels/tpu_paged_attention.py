@@ -39,7 +39,7 @@ from pallas_kernels.work_items import WorkItems
 
 def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref, *refs,
             group, pages_per_block, sm_scale, soft_cap, sliding_window):
-    # q_ref, o_ref [Hkv, R, D]; each k/v ref [page_size, Hkv, D];
+    # q_ref, o_ref [Hkv, R, D]; each k/v ref [page_size, Hkv, D] ([page_size, D] if Hkv = 1);
     # m_ref, l_ref [Hkv, R, 1], acc_ref [Hkv, R, D] float32 scratch.
     k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
     o_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block:]
@@ -65,8 +65,8 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
         if sliding_window is not None:
             mask &= q_pos - key_pos < sliding_window
         for h in range(num_kv_heads):
-            k = jnp.concatenate([r[:, h, :] for r in k_refs], axis=0)  # [KB, D]
-            v = jnp.concatenate([r[:, h, :] for r in v_refs], axis=0)  # [KB, D]
+            k = jnp.concatenate([_head(r, h) for r in k_refs], axis=0)  # [KB, D]
+            v = jnp.concatenate([_head(r, h) for r in v_refs], axis=0)  # [KB, D]
             s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * sm_scale  # [R, KB]
             if soft_cap is not None:
@@ -88,7 +88,13 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _page_index_map(n, pages_per_seq, page_size, pages_per_block):
+def _head(page_ref, h):
+    """Head h's rows `[page_size, D]` of a page block: `[page_size, Hkv, D]`, or
+    `[page_size, D]` when pages hold one kv head (squeezed, see `attention`)."""
+    return page_ref[...] if len(page_ref.shape) == 2 else page_ref[:, h, :]
+
+
+def _page_index_map(n, pages_per_seq, page_size, pages_per_block, squeezed):
     """index_map of the n-th page operand: clamps the block into the item's key range."""
 
     def index_map(item, block, seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref):
@@ -99,7 +105,8 @@ def _page_index_map(n, pages_per_seq, page_size, pages_per_block):
         last_page = jnp.maximum(jax.lax.div(key_hi_ref[item] + page_size - 1, page_size) - 1,
                                 first_page)
         slot = jnp.clip(block * pages_per_block + n, first_page, last_page)
-        return pt_ref[seq_ref[item] * pages_per_seq + slot], 0, 0, 0
+        page = pt_ref[seq_ref[item] * pages_per_seq + slot]
+        return (page, 0, 0) if squeezed else (page, 0, 0, 0)
 
     return index_map
 
@@ -124,9 +131,18 @@ def attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_
         pages_per_block = max(1, min(pages_per_seq, 256 // page_size))
     num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
     q_spec = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda i, j, *_: (i, 0, 0, 0))
+    # One kv head per device (tp = Hkv): XLA:TPU lays `[N, page_size, 1, D]` out with the unit
+    # axis major (no padding), while a 4-d kernel operand wants it minor, so every call would
+    # relayout (copy) the whole cache. `[N, page_size, D]` is the same bytes: a bitcast.
+    squeezed = num_kv_heads == 1
+    page_block = (None, page_size, head_dim) if squeezed else (
+        None, page_size, num_kv_heads, head_dim)
+    if squeezed:
+        k_pages = k_pages.reshape(k_pages.shape[0], page_size, head_dim)
+        v_pages = v_pages.reshape(v_pages.shape[0], page_size, head_dim)
     page_specs = [
-        pl.BlockSpec((None, page_size, num_kv_heads, head_dim),
-                     _page_index_map(n, pages_per_seq, page_size, pages_per_block))
+        pl.BlockSpec(page_block,
+                     _page_index_map(n, pages_per_seq, page_size, pages_per_block, squeezed))
         for n in range(pages_per_block)
     ]
     grid_spec = pltpu.PrefetchScalarGridSpec(

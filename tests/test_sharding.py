@@ -131,3 +131,21 @@ def test_mesh_and_rule_errors_name_the_field():
     assert sharding.partition_spec(("vocab", "embed"), (322, 64), mesh) == P(None, None)
     assert sharding.partition_spec(("embed", "mlp"), (64, 112), mesh) == P(None, "model")
     assert len(jax.devices()) == 8
+
+
+def test_stacked_layers_shard_and_match_the_layer_loop(tmp_path):
+    """`scan_layers` (stacked weights, one page pool of all layers, the Pallas kernels) over
+    tp=4 x dp=2 gives the one-device layer loop's tokens; stacked parameters keep a whole
+    "layers" axis and split heads as before, the pool splits on kv heads."""
+    build_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                initializer_range=0.5)
+    _, tokens, logprobs = generate(tmp_path)
+    llm, *result = generate(tmp_path, tensor_parallel_size=4, data_parallel_size=2,
+                            scan_layers=True)
+    assert_same(result, (tokens, logprobs))
+    q_proj = llm.model.layers.attn.q_proj.get_value()  # [L, E, Hq, D]
+    assert q_proj.shape[0] == 2 and spec(q_proj) == (None, None, "model", None)
+    for replica in llm.engine.replicas:
+        k_pages, v_pages = replica.runner.caches  # [L * N, page_size, Hkv, D]
+        assert k_pages.shape[0] == 2 * llm.engine.num_pages
+        assert spec(k_pages) == (None, None, "model", None) and v_pages.shape == k_pages.shape

@@ -12,8 +12,9 @@ installed jax version. libtpu reads its environment once, when first loaded: the
 below are set (unless already set) before the first TPU topology is made.
 
 HBM per device, and where each number comes from:
-- TPU: Google Cloud's TPU system-architecture pages (v5e 16 GiB, v6e 32 GiB, v5p 95 GiB of
-  HBM per chip). JAX sees one device per chip (v5p: one megacore device per chip).
+- TPU: what XLA:TPU itself reports as available HBM when a compile does not fit (libtpu
+  0.0.42.1: v5e 15.75 GiB, v6e 31.25 GiB, v5p 95.74 GiB), a little under the chips' 16 / 32 /
+  95 GiB of Google Cloud's TPU pages. JAX sees one device per chip (v5p: one megacore device).
 - GPU: `device_memory_size` of the target config (what the CUDA driver reports for the card).
   JAX's GPU allocator takes `XLA_PYTHON_CLIENT_MEM_FRACTION` of it (default 0.75) at start-up,
   so that is the limit a GPU plan is held to, as `jaxserve serve` would be.
@@ -48,11 +49,11 @@ class TpuKind:
 
 
 TPU_KINDS = {
-    "v5e": TpuKind("v5e", 16 * GIB, {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
-                                     8: ("2x4", (2, 4, 1))}),
-    "v6e": TpuKind("v6e", 32 * GIB, {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
-                                     8: ("2x4", (2, 4, 1))}),
-    "v5p": TpuKind("v5p", 95 * GIB, {4: ("2x2x1", (2, 2, 1))}),
+    "v5e": TpuKind("v5e", int(15.75 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
+                                            8: ("2x4", (2, 4, 1))}),
+    "v6e": TpuKind("v6e", int(31.25 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
+                                            8: ("2x4", (2, 4, 1))}),
+    "v5p": TpuKind("v5p", int(95.74 * GIB), {4: ("2x2x1", (2, 2, 1))}),
 }
 GPU_KINDS = tuple(sorted(p.stem for p in GPU_TARGETS_DIR.glob("*.txtpb")))
 ACCELERATORS = (*TPU_KINDS, *GPU_KINDS)
