@@ -33,9 +33,11 @@ import jax
 GPU_TARGETS_DIR = Path(__file__).with_name("gpu_targets")
 GIB = 1 << 30
 
-# libtpu's environment for compiling on a host that has no TPU (read once, at load)
+# libtpu's environment for compiling on a host that has no TPU (read once, at load). No chip
+# is used, so several processes may plan at once (libtpu otherwise takes a lock file).
 TPU_COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v6e-4",
-                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}
+                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+                        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 DEFAULT_GPU_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
 
 

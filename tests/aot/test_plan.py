@@ -126,3 +126,30 @@ def test_a_program_that_copies_the_cache_fails_the_donation_check():
     assert copied.compiled and not copied.cache_donated
     assert donated.compiled and donated.cache_donated
     assert copied.peak_bytes > donated.peak_bytes + cache_bytes // 2  # the copy costs memory
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "loop"])
+def test_stacked_layers_lower_one_copy_of_the_layer(scan_layers):
+    """Why compile time no longer grows with depth: with `scan_layers` the TPU program calls
+    the attention kernel (and every other per-layer function, e.g. silu) once, inside the
+    scan, whatever the depth; the layer loop calls them once per layer."""
+    from jaxserve.config import config_from_hf
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runner import Runner
+    from jaxserve.weights import abstract_sharded_model
+    import sharding
+
+    mesh = sharding.make_mesh(1, 1, compile_only_devices(Target("tpu", "v5e", 1)))
+    engine = EngineConfig(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16,
+                          num_decode_steps=2, scan_layers=scan_layers)
+    kernel_calls = []
+    for layers in (2, 6):
+        cfg = config_from_hf({**TINY, "num_hidden_layers": layers})
+        model = abstract_sharded_model(cfg, jnp.bfloat16, mesh, scan_layers)
+        jitted, args = Runner(model, engine, 64, None, mesh).program_inputs("step", 16, 2)
+        text = jitted.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        kernel_calls.append(text.count("call @attention(") + text.count("call @silu("))
+    if scan_layers:
+        assert kernel_calls[0] == kernel_calls[1] >= 1
+    else:
+        assert kernel_calls[1] == 3 * kernel_calls[0]
