@@ -62,15 +62,19 @@ def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str, dict]:
         preset = load_preset(preset_path)
         options.update(preset.engine_options)
         dtype = preset.dtype or dtype
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            options[name] = value
+    options.update(flag_options(args))
+    return args.model or default_model_dir(), args.dtype or dtype, options
+
+
+def flag_options(args: argparse.Namespace) -> dict:
+    """The engine options the user gave as flags (they override the preset's)."""
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS
+               if getattr(args, name) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.strict_compile:
         options["strict_compile"] = True
-    return args.model or default_model_dir(), args.dtype or dtype, options
+    return options
 
 
 def default_model_dir() -> str:
@@ -153,11 +157,8 @@ def _plan(args: argparse.Namespace) -> int:
     if not jax.config.jax_platforms:  # the host compiles; never probe for attached chips
         jax.config.update("jax_platforms", "cpu")
     model_dir = reference_model_dir(args.model) if args.model else preset.plan_model_dir()
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS
-               if getattr(args, name) is not None}
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
-    plan = build_plan(preset, model_dir, args.dtype, options, all_buckets=args.all_buckets,
+    plan = build_plan(preset, model_dir, args.dtype, flag_options(args),
+                      all_buckets=args.all_buckets,
                       verbose=args.verbose, progress=not args.json,
                       model_name=args.model or preset.plan_model)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan, args.verbose))

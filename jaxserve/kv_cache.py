@@ -38,11 +38,9 @@ def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
     for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
     on the mesh: each device holds 1/tensor_parallel_size of its kv heads."""
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return pages_for_memory(model, engine, dtype, stats["bytes_limit"],
-                                stats.get("bytes_in_use", 0), tensor_parallel_size)
-    return pages_for_memory(model, engine, dtype, None, 0, tensor_parallel_size)
+    stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+    return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
+                            stats.get("bytes_in_use", 0), tensor_parallel_size)
 
 
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,

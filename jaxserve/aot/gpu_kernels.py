@@ -38,9 +38,10 @@ def ptxas_binary() -> str | None:
     return None
 
 
-def _ptxas_report(ptx: Path, ptxas: str) -> dict[str, dict]:
-    """Entry name → {arch, registers, spill_store_bytes, spill_load_bytes, stack_bytes}."""
-    arch = re.search(r"^\.target\s+(\S+)", ptx.read_text(), re.M)
+def _ptxas_report(ptx: Path, text: str, ptxas: str) -> dict[str, dict]:
+    """Entry name → {arch, registers, spill_store_bytes, spill_load_bytes, stack_bytes} of
+    the PTX file `ptx` (whose contents are `text`)."""
+    arch = re.search(r"^\.target\s+(\S+)", text, re.M)
     done = subprocess.run([ptxas, "-v", f"--gpu-name={arch.group(1) if arch else 'sm_90a'}",
                            str(ptx), "-o", "/dev/null"], capture_output=True, text=True)
     found: dict[str, dict] = {}
@@ -74,7 +75,7 @@ def triton_kernel_resources(dump_dir: str | Path) -> list[dict]:
         for ptx in dump.glob("*.ptx"):
             text = ptx.read_text()
             if any(f".entry {name}" in text for name in launches):
-                for name, numbers in _ptxas_report(ptx, ptxas).items():
+                for name, numbers in _ptxas_report(ptx, text, ptxas).items():
                     if name in launches:
                         launches[name].update(numbers)
     return sorted(launches.values(), key=lambda k: k["name"])

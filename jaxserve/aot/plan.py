@@ -32,14 +32,14 @@ from tqdm.auto import tqdm
 
 import sharding
 from jaxserve.aot import gpu_kernels
-from jaxserve.aot.targets import Target, compile_only_devices
+from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.config import load_config
 from jaxserve.engine import attention_backend_for, scan_layers_for
 from jaxserve.kv_cache import page_bytes, pages_for_memory
 from jaxserve.llm import engine_config_for, resolve_dtype
 from jaxserve.presets import Preset
 from jaxserve.runner import Runner
-from jaxserve.weights import abstract_sharded_model, sharded_config
+from jaxserve.weights import abstract_sharded_model
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     replica_mesh = sharding.replica_meshes(mesh)[0]  # every replica compiles the same programs
     model = abstract_sharded_model(model_config, param_dtype, replica_mesh,
                                    scan_layers_for(engine, target.platform))
-    stored, _ = sharded_config(model_config, replica_mesh)
+    stored = model.config  # as stored on the mesh (kv heads repeated when tp > Hkv)
     hbm = target.hbm_bytes()
     weights = weights_bytes_per_device(model)
     result: dict[str, Any] = {
@@ -148,7 +148,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     try:
         num_pages = pages_for_memory(stored, engine, param_dtype, hbm, weights, tp)
     except ValueError as err:
-        result["reason"] = f"weights take {weights / 2**30:.2f} GiB of {hbm / 2**30:.2f} GiB " \
+        result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device: {err}"
         return result
     kv_bytes = num_pages * (page_bytes(stored, engine.page_size, param_dtype) // tp)
@@ -183,8 +183,8 @@ def _failure(reports: list[ProgramReport], resident: int, hbm: int) -> str | Non
         if not r.cache_donated:
             return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
         if r.peak_bytes > hbm:
-            return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / 2**30:.2f} "
-                    f"GiB per device of {hbm / 2**30:.2f}")
+            return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
+                    f"GiB per device of {hbm / GIB:.2f}")
     if resident > hbm:
-        return f"weights + KV cache take {resident / 2**30:.2f} GiB of {hbm / 2**30:.2f}"
+        return f"weights + KV cache take {resident / GIB:.2f} GiB of {hbm / GIB:.2f}"
     return None

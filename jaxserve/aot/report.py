@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GIB = 1 << 30
+from jaxserve.aot.targets import GIB
 
 
 def _gib(value: int) -> str:

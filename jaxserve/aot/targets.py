@@ -43,22 +43,21 @@ DEFAULT_GPU_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
 
 @dataclasses.dataclass(frozen=True)
 class TpuKind:
-    """One TPU generation: its topology-name prefix and HBM per chip."""
+    """One TPU generation (the key of TPU_KINDS is its topology-name prefix): HBM per chip
+    and the topologies known here."""
 
-    prefix: str
     hbm_bytes: int
     topologies: dict[int, tuple[str, tuple[int, int, int]]]  # chips → (name, chips per host)
 
 
 TPU_KINDS = {
-    "v5e": TpuKind("v5e", int(15.75 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
-                                            8: ("2x4", (2, 4, 1))}),
-    "v6e": TpuKind("v6e", int(31.25 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
-                                            8: ("2x4", (2, 4, 1))}),
-    "v5p": TpuKind("v5p", int(95.74 * GIB), {4: ("2x2x1", (2, 2, 1))}),
+    "v5e": TpuKind(int(15.75 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
+                                     8: ("2x4", (2, 4, 1))}),
+    "v6e": TpuKind(int(31.25 * GIB), {1: ("1x1", (1, 1, 1)), 4: ("2x2", (2, 2, 1)),
+                                     8: ("2x4", (2, 4, 1))}),
+    "v5p": TpuKind(int(95.74 * GIB), {4: ("2x2x1", (2, 2, 1))}),
 }
 GPU_KINDS = tuple(sorted(p.stem for p in GPU_TARGETS_DIR.glob("*.txtpb")))
-ACCELERATORS = (*TPU_KINDS, *GPU_KINDS)
 
 
 @dataclasses.dataclass(frozen=True)
