@@ -6,56 +6,36 @@
     print(out[0].outputs[0].text)
 
 `model` is a Hugging Face folder (safetensors) or an orbax checkpoint folder written by
-`jaxserve.checkpoint.convert`; either way each device receives only its shard of the weights
+`jaxserve.loading.checkpoint.convert`; either way each device receives only its shard of the weights
 on the mesh that `tensor_parallel_size` / `data_parallel_size` describe.
 Prompts are strings (tokenized with the model's tokenizer) or `{"prompt_token_ids": [...]}`.
 Generation runs through the serving engine (paged KV cache, continuous batching); engine
-options are keyword arguments, named as in vLLM (see `EngineConfig`).
+options are keyword arguments, named as in vLLM (see `EngineConfig`), on top of the platform's
+preset (cpu.toml on CPU; `config=` names another, see `jaxserve.presets`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
-from jaxserve import checkpoint
-from jaxserve.config import ModelConfig, load_config
-from jaxserve.engine import Engine, engine_mesh
-from jaxserve.engine_config import EngineConfig
+from jaxserve.loading import checkpoint
+from jaxserve.model.config import ModelConfig, eos_token_ids, load_config, resolve_dtype
+from jaxserve.engine.engine import Engine, engine_mesh
+from jaxserve.engine.config import EngineConfig
+from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
+from jaxserve.presets import engine_settings
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import load_weights
+from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.loading.weights import load_weights
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-
-
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None):
-    """"auto" keeps a bfloat16/float32 checkpoint's dtype and runs float16 ones in bfloat16."""
-    if dtype == "auto":
-        dtype = "float32" if checkpoint_dtype == "float32" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def _eos_ids(model_dir: Path, config_ids, tokenizer: Tokenizer | None) -> set[int]:
-    """End-of-sequence ids from config.json, generation_config.json and the tokenizer."""
-    ids = set(config_ids)
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        value = json.loads(gen_path.read_text()).get("eos_token_id")
-        ids.update([value] if isinstance(value, int) else (value or []))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def engine_config_for(config: ModelConfig, engine_options: dict[str, Any]) -> EngineConfig:
@@ -75,13 +55,18 @@ def engine_config_for(config: ModelConfig, engine_options: dict[str, Any]) -> En
 class LLM:
     """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
 
-    def __init__(self, model: str, dtype: str = "auto", progress: bool = True,
-                 **engine_options: Any):
+    def __init__(self, model: str, dtype: str | None = None, config: str | None = None,
+                 progress: bool = True, **engine_options: Any):
+        """`config`: a deployment preset (TOML); default: cpu.toml on CPU, none elsewhere.
+        `dtype` and `engine_options` override the preset's."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise ValueError(f"model {model!r} is not a folder")
         self.config = load_config(model_dir)
-        self.dtype = resolve_dtype(dtype, self.config.checkpoint_dtype)
+        preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
+                                                       engine_options)
+        self.dtype = resolve_dtype(dtype or preset_dtype or "auto",
+                                   self.config.checkpoint_dtype)
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         self.engine_config = engine_config_for(self.config, engine_options)
@@ -91,7 +76,8 @@ class LLM:
         else:
             self.model = load_weights(model_dir, self.config, self.dtype, progress=progress,
                                       mesh=mesh)
-        eos = _eos_ids(model_dir, self.config.eos_token_ids, self.tokenizer)
+        eos = eos_token_ids(model_dir, self.config.eos_token_ids,
+                            self.tokenizer.eos_token_id if self.tokenizer else None)
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress)
         self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
         self._request_ids = itertools.count()
@@ -100,7 +86,7 @@ class LLM:
     def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"prompts[{index}] is empty")
+                raise InvalidRequestError("prompt", f"prompts[{index}] is empty")
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: pass prompts as "
                                  "{'prompt_token_ids': [...]}")
@@ -109,9 +95,11 @@ class LLM:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if not all(isinstance(t, (int, np.integer)) for t in ids):
-                raise ValueError(f"prompts[{index}].prompt_token_ids must be integers")
+                raise InvalidRequestError("prompt", f"prompts[{index}].prompt_token_ids must be "
+                                          "integers")
         else:
-            raise ValueError(f"prompts[{index}] must be a str or a dict with 'prompt_token_ids'")
+            raise InvalidRequestError("prompt", f"prompts[{index}] must be a str or a dict "
+                                      "with 'prompt_token_ids'")
         return text, ids
 
     def _sequence(self, index: int, prompt, params: SamplingParams):
@@ -119,7 +107,8 @@ class LLM:
         try:
             return self.engine.make_sequence(str(next(self._request_ids)), ids, params, text)
         except ValueError as err:
-            raise ValueError(f"prompts[{index}]: {err}") from None
+            raise InvalidRequestError(getattr(err, "field", None),
+                                      f"prompts[{index}]: {err}") from None
 
     # ---- generation -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]

@@ -1,12 +1,14 @@
 """`SamplingParams`: how one request is decoded, shaped like vLLM's so users know it.
 
-Validated at construction: a bad value is a `ValueError` naming the field, raised before
-anything reaches the device.
+Validated at construction: a bad value is an `InvalidRequestError` (a `ValueError`) whose
+`field` names it, raised before anything reaches the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from jaxserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top log-probabilities computed on device per token
 
@@ -44,12 +46,14 @@ class SamplingParams:
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+            raise InvalidRequestError(
+                "top_k", f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+                raise InvalidRequestError(
+                    "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0,
@@ -57,20 +61,22 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                                 f"{self.logprobs}")
+                raise InvalidRequestError("logprobs", f"logprobs must be between 0 and "
+                                          f"{MAX_LOGPROBS}, got {self.logprobs}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            raise InvalidRequestError(
+                "stop", "stop must be a non-empty string or a list of non-empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token)
             if not 0 <= token < 2**31:
-                raise ValueError(f"stop_token_ids must be non-negative token ids, got {token}")
+                raise InvalidRequestError(
+                    "stop_token_ids", f"stop_token_ids must be non-negative token ids, got {token}")
 
     @property
     def has_penalties(self) -> bool:
@@ -80,14 +86,14 @@ class SamplingParams:
 
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(name, f"{name} must be an integer, got {value!r}")
 
 
 def _check_number(name: str, value, low=None, high=None, low_open=False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestError(name, f"{name} must be a number, got {value!r}")
     if low is not None and (value < low or (low_open and value == low)):
         bound = f"> {low}" if low_open else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise InvalidRequestError(name, f"{name} must be {bound}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise InvalidRequestError(name, f"{name} must be <= {high}, got {value}")

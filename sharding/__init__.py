@@ -6,6 +6,9 @@ The model speaks in logical axis names; this package alone maps them to the mesh
   make_mesh(tensor_parallel_size, data_parallel_size, devices=None) -> Mesh
   replica_meshes(mesh) -> list[Mesh]            one (1, tp) sub-mesh per data-parallel replica
   partition_spec(logical_axes, shape, mesh)     logical names → PartitionSpec
+  named_sharding(logical_axes, shape, mesh)     ... → NamedSharding
+  replicated(mesh), kv_cache_sharding(mesh)     step inputs; the paged KV cache
+  tensor_parallel_size(mesh)                    devices the heads are split over
   kv_head_repeats(num_kv_heads, num_heads, tp)  how often each kv head is stored
   shard_loader(array_fn, shape, sharding)       an array built shard by shard from host data
   restrict_to(array, mesh)                      the same shards, viewed as an array on a sub-mesh
@@ -13,9 +16,11 @@ The model speaks in logical axis names; this package alone maps them to the mesh
 """
 
 from sharding.mesh import make_mesh, replica_meshes
-from sharding.rules import (LOGICAL_AXIS_RULES, kv_head_repeats, partition_spec,
-                            shard_loader, restrict_to)
+from sharding.rules import (LOGICAL_AXIS_RULES, kv_cache_sharding, kv_head_repeats,
+                            named_sharding, partition_spec, replicated, restrict_to,
+                            shard_loader, tensor_parallel_size)
 from sharding.shard_map import shard_over_heads
 
 __all__ = ["make_mesh", "replica_meshes", "LOGICAL_AXIS_RULES", "partition_spec",
+           "named_sharding", "replicated", "kv_cache_sharding", "tensor_parallel_size",
            "kv_head_repeats", "shard_loader", "restrict_to", "shard_over_heads"]

@@ -4,7 +4,7 @@
 vocab, collectives inside one program). "data" carries data parallelism as independent
 engine replicas: `replica_meshes` cuts the mesh into one (1, tp) sub-mesh per replica, each
 with its own weights view, KV cache, scheduler and compiled programs (see
-`jaxserve.engine` for why replicas rather than one batch split across "data").
+`jaxserve.engine.engine` for why replicas rather than one batch split across "data").
 
 Axes are `Auto` (the `Mesh` default): shardings are annotations XLA propagates, which is what
 a model written without sharding needs. (`jax.make_mesh` defaults to Explicit axes.)

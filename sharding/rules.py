@@ -35,8 +35,9 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 
 
 def partition_spec(logical_axes: tuple[str, ...], shape: tuple[int, ...],
-                   mesh: Mesh) -> P:
-    """The PartitionSpec for an array with these logical axes (one name per dimension)."""
+                   mesh: Mesh, replicate: tuple[str, ...] = ()) -> P:
+    """The PartitionSpec for an array with these logical axes (one name per dimension);
+    axes named in `replicate` stay whole on every device."""
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical_axes {logical_axes} do not match shape {shape}")
     spec = []
@@ -44,9 +45,31 @@ def partition_spec(logical_axes: tuple[str, ...], shape: tuple[int, ...],
         if name not in LOGICAL_AXIS_RULES:
             raise ValueError(f"no sharding rule for logical axis {name!r}; known: "
                              f"{sorted(LOGICAL_AXIS_RULES)}")
-        axis = LOGICAL_AXIS_RULES[name]
+        axis = None if name in replicate else LOGICAL_AXIS_RULES[name]
         spec.append(axis if axis is not None and size % mesh.shape[axis] == 0 else None)
     return P(*spec)
+
+
+def named_sharding(logical_axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
+                   replicate: tuple[str, ...] = ()) -> NamedSharding:
+    """`partition_spec` on `mesh`."""
+    return NamedSharding(mesh, partition_spec(logical_axes, shape, mesh, replicate))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of `mesh` (step inputs, sampled tokens)."""
+    return NamedSharding(mesh, P())
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Pages `[N, page_size, Hkv, D]` (or any array with kv heads on axis 2): every page on
+    every device, kv heads split like the k/v projections."""
+    return NamedSharding(mesh, P(None, None, LOGICAL_AXIS_RULES["kv_heads"]))
+
+
+def tensor_parallel_size(mesh: Mesh) -> int:
+    """Devices the heads are split over."""
+    return mesh.shape[LOGICAL_AXIS_RULES["heads"]]
 
 
 def kv_head_repeats(num_kv_heads: int, num_heads: int, tensor_parallel_size: int) -> int:

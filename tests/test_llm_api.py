@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import CompileAfterWarmupError
+from jaxserve.engine.runner import CompileAfterWarmupError
 from tiny_models import SMALL_ENGINE, build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_nothing_compiles_after_warm_up(llm):
                   SamplingParams(temperature=0, max_tokens=1), GREEDY])
     assert llm.engine.runner.compiles_after_warmup == 0
     with pytest.raises(CompileAfterWarmupError):
-        llm.engine.runner._program("step", 48, 2)  # a shape no ladder has
+        llm.engine.runner.program("step", 48, 2)  # a shape no ladder has
 
 
 @pytest.mark.parametrize("prompt, message", [

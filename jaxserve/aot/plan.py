@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
@@ -33,13 +32,14 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
-from jaxserve.config import load_config
-from jaxserve.engine import attention_backend_for, scan_layers_for
-from jaxserve.kv_cache import page_bytes, pages_for_memory
-from jaxserve.llm import engine_config_for, resolve_dtype
+from jaxserve.model.config import load_config
+from jaxserve.engine.engine import scan_layers_for
+from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
+from jaxserve.llm import engine_config_for
+from jaxserve.model.config import resolve_dtype
 from jaxserve.presets import Preset
-from jaxserve.runner import Runner
-from jaxserve.weights import abstract_sharded_model
+from jaxserve.engine.runner import Runner
+from jaxserve.loading.weights import abstract_sharded_model
 
 
 @dataclasses.dataclass
@@ -154,8 +154,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     kv_bytes = num_pages * (page_bytes(stored, engine.page_size, param_dtype) // tp)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size)
-    runner = Runner(model, engine, num_pages, attention_backend_for(engine, target.platform),
-                    replica_mesh)
+    runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
     reports = []
     programs = chosen_programs(runner, all_buckets)
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",

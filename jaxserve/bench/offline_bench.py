@@ -16,6 +16,7 @@ compared with it. Needs the `bench` extra (torch, transformers).
 from __future__ import annotations
 
 import argparse
+import ast
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an engine option for jaxserve, e.g. num_decode_steps=16 or "
+                             "token_buckets=(32,512) (repeatable; default: none, as a new "
+                             "user runs it)")
+
+
+def parse_engine_options(pairs: list[str]) -> dict:
+    """`NAME=VALUE` strings → engine options; values are Python literals (else strings)."""
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--engine-option must be NAME=VALUE, got {pair!r}")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[name] = value
+    return options
 
 
 def build_random_model(folder: Path) -> None:
@@ -73,10 +92,9 @@ def measure_read_bandwidth(megabytes: int = 512) -> float:
 def _jaxserve_runs(folder: str, prompts: list[list[int]], args) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    top = max(len(p) for p in prompts) + args.output_len
-    llm = LLM(folder, dtype=args.dtype, max_model_len=top, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=512, token_buckets=(32, 128, 512),
-              seq_buckets=tuple(sorted({1, 8, args.max_num_seqs})), num_decode_steps=16)
+    options = parse_engine_options(args.engine_option)
+    print(f"jaxserve engine options: {options or 'defaults'}", flush=True)
+    llm = LLM(folder, dtype=args.dtype, **options)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     as_ids = [{"prompt_token_ids": p} for p in prompts]
     start = time.perf_counter()

@@ -10,7 +10,7 @@ ragged batch).
 Every parameter carries `logical_axes` metadata ("vocab", "embed", "heads", "kv_heads",
 "head_dim", "mlp", "norm"); only `sharding/` maps those names to mesh axes. Kernels are stored
 `[in, out]` (heads split out as their own axis), i.e. transposed from Hugging Face's
-`[out, in]`; `jaxserve.weights` does the conversion.
+`[out, in]`; `jaxserve.loading.weights` does the conversion.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 
 # attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
@@ -159,7 +159,7 @@ class LlamaModel(nnx.Module):
       a program holds one copy of the layer and compiles in the same time at any depth (80
       layers of a 70B model compile like 1). The cache is carried through the scan whole and
       attention is called with the traced layer index and the whole cache, which it addresses
-      (`jaxserve.model.paged_attention`: one page pool of all layers).
+      (`jaxserve.attention.paged`: one page pool of all layers).
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,

@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import RopeConfig
+from jaxserve.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:

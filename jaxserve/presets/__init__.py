@@ -15,6 +15,11 @@ here, used by default on CPU).
 The header comment's numbers (KV GiB, tokens, compile times) come from
 `jaxserve plan --config PRESET` with the `[plan]` model, not from arithmetic by hand.
 
+`engine_settings` is how `LLM` and the command line apply a preset: cpu.toml on CPU when none
+is named, flags and keyword arguments on top. An override of `max_num_seqs` or
+`max_num_batched_tokens` re-derives the preset's ladder for it (its rungs below the new limit,
+then the limit), so a flag never fails against the preset's ladders.
+
 Every field is checked when the file is read: an unknown section or field, a wrong type, or
 a mesh that does not fit the declared devices is a `ValueError` naming it.
 """
@@ -60,6 +65,26 @@ class Preset:
         if self.plan_model is None:
             raise ValueError(f"{self.path.name} names no [plan] model; pass --model")
         return reference_model_dir(self.plan_model)
+
+
+# ladder → the limit it must end at
+LADDER_LIMITS = {"token_buckets": "max_num_batched_tokens", "seq_buckets": "max_num_seqs"}
+
+
+def engine_settings(config: str | Path | None, platform: str,
+                    overrides: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(dtype or None, engine options) of preset `config` (default: cpu.toml on CPU, none
+    elsewhere) with `overrides` (the user's options) on top."""
+    path = config if config is not None else (CPU_PRESET if platform == "cpu" else None)
+    if path is None:
+        return None, dict(overrides)
+    preset = load_preset(path)
+    options = {**preset.engine_options, **overrides}
+    for ladder, limit in LADDER_LIMITS.items():
+        if ladder in preset.engine_options and ladder not in overrides and limit in overrides:
+            top = overrides[limit]
+            options[ladder] = tuple(r for r in preset.engine_options[ladder] if r < top) + (top,)
+    return preset.dtype, options
 
 
 def reference_model_dir(name_or_path: str) -> Path:

@@ -128,7 +128,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             job = build(served, body)
         except ValueError as err:
-            raise APIError(400, str(err), handlers.param_of(err)) from None
+            raise APIError(400, str(err), getattr(err, "field", None)) from None
         if body.stream:
             return StreamingResponse(job.sse(), media_type="text/event-stream")
         return JSONResponse(await _unless_disconnected(request, job.collect()))

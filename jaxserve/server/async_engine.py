@@ -13,11 +13,11 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
-from jaxserve.engine import Engine
-from jaxserve.output_processor import StreamDelta
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.output_processor import StreamDelta
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import Sequence
+from jaxserve.engine.sequence import Sequence
 
 log = logging.getLogger("jaxserve.server")
 
@@ -115,7 +115,7 @@ class AsyncEngine:
                prompt: str | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
-        waiting = sum(len(r.scheduler.waiting) for r in self.engine.replicas)
+        waiting = self.engine.stats().num_waiting
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)

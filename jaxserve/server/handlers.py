@@ -12,23 +12,13 @@ import dataclasses
 import json
 from typing import Any, AsyncIterator
 
-from jaxserve.output_processor import StreamDelta
+from jaxserve.engine.output_processor import StreamDelta
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.errors import InvalidRequestError
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, new_id,
                                       now)
 
-REQUEST_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
-    "prompt", "messages", "max_completion_tokens", "n", "echo", "top_logprobs"}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-def param_of(err: ValueError) -> str | None:
-    """The request field a validation message is about (messages start with the field)."""
-    head = str(err).split(" ", 1)[0].rstrip(":")
-    if head.startswith("prompt"):  # prompt, prompts[i], prompt_token_ids
-        return "prompt"
-    return head if head in REQUEST_FIELDS else None
 
 
 @dataclasses.dataclass
@@ -78,15 +68,15 @@ class Job:
         """The choice's token limit; a prompt that leaves no room is an error, as in OpenAI."""
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ValueError(f"prompt has {prompt_len} tokens; this model's maximum context "
-                             f"length is {self.max_model_len}")
+            raise InvalidRequestError("prompt", f"prompt has {prompt_len} tokens; this model's "
+                                      f"maximum context length is {self.max_model_len}")
         wanted = self.requested_max_tokens()
         if wanted is None:
             return room
         if wanted > room:
-            raise ValueError(f"max_tokens ({wanted}) plus the prompt ({prompt_len} tokens) "
-                             f"exceeds this model's maximum context length "
-                             f"({self.max_model_len})")
+            raise InvalidRequestError("max_tokens", f"max_tokens ({wanted}) plus the prompt "
+                                      f"({prompt_len} tokens) exceeds this model's maximum "
+                                      f"context length ({self.max_model_len})")
         return wanted
 
     def _submit(self, index: int, text, ids, max_tokens: int, j: int) -> None:
@@ -178,20 +168,21 @@ class CompletionJob(Job):
     def prompts(self):
         prompt = self.body.prompt
         if self.body.echo:
-            raise ValueError("echo is not supported")
+            raise InvalidRequestError("echo", "echo is not supported")
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt", "prompt is empty")
         out = []
         for item in prompt:
             if isinstance(item, str):
                 if not item:
-                    raise ValueError("prompt is empty")
+                    raise InvalidRequestError("prompt", "prompt is empty")
                 if self.tokenizer is None:
-                    raise ValueError("prompt must be token ids: this model has no tokenizer")
+                    raise InvalidRequestError(
+                        "prompt", "prompt must be token ids: this model has no tokenizer")
                 out.append((item, self.tokenizer.encode(item)))
             else:
                 out.append((None, list(item)))
@@ -239,7 +230,8 @@ class ChatJob(Job):
 
     def prompts(self):
         if self.tokenizer is None:
-            raise ValueError("messages need a chat template: this model has no tokenizer")
+            raise InvalidRequestError(
+                "messages", "messages need a chat template: this model has no tokenizer")
         messages = [m.as_template_message() for m in self.body.messages]
         text = self.tokenizer.apply_chat_template(messages)
         return [(text, self.tokenizer.encode(text, add_special_tokens=False))]

@@ -10,22 +10,22 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine import Engine
-from jaxserve.metrics import RequestStats
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.metrics import RequestStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineState:
-    """Scrape-time gauges and counters read from the engine's scheduler and allocator."""
+    """Scrape-time gauges and counters from `Engine.stats()`."""
 
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.labels = [model_name]
 
     def collect(self):
-        replicas = self.engine.replicas  # data-parallel replicas: sum (or average) them
+        stats = self.engine.stats()  # summed over data-parallel replicas
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -37,24 +37,21 @@ class _EngineState:
             family.add_metric(self.labels, value)
             return family
 
-        def total(read):
-            return sum(read(r) for r in replicas)
-
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    total(lambda r: len(r.scheduler.running)))
+                    stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    total(lambda r: len(r.scheduler.waiting)))
+                    stats.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).",
-                    total(lambda r: r.allocator.usage) / len(replicas))
+                    stats.kv_cache_usage)
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of pages.",
-                      total(lambda r: r.scheduler.num_preemptions))
+                      stats.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      total(lambda r: r.allocator.prefix_queries))
+                      stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      total(lambda r: r.allocator.prefix_hits))
+                      stats.prefix_cache_hits)
         yield counter("jaxserve:compilations_after_warmup",
                       "Programs compiled after warm-up (each is a latency spike).",
-                      total(lambda r: r.runner.compiles_after_warmup))
+                      stats.compiles_after_warmup)
 
 
 class PrometheusMetrics:

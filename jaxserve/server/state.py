@@ -23,7 +23,8 @@ class ServerOptions:
 
     model: str
     served_model_name: list[str] | None = None
-    dtype: str = "auto"
+    dtype: str | None = None  # None: the preset's, else "auto"
+    config: str | None = None  # deployment preset; None: cpu.toml on CPU
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     max_waiting_requests: int = 1024
@@ -40,7 +41,8 @@ class ServerState:
         self.max_body_bytes = options.max_body_bytes
         self.model_names = options.served_model_name or [options.model]
         self.created = int(time.time())
-        self._load = load or (lambda o: LLM(o.model, dtype=o.dtype, **o.engine_options))
+        self._load = load or (lambda o: LLM(o.model, dtype=o.dtype, config=o.config,
+                                                  **o.engine_options))
         self.llm: LLM | None = None
         self.engine: AsyncEngine | None = None
         self.prometheus: PrometheusMetrics | None = None

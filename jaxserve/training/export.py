@@ -1,8 +1,8 @@
 """Save a `LlamaModel` as a Hugging Face model folder (config.json + model.safetensors).
 
-Tensor names and layouts come from `jaxserve.weights.hf_tensor_map`, the loader's own table, so
-they live in one place. Each loader transform there is a reshape/transpose of an HF tensor, i.e.
-a permutation of its elements: applying it to `arange(size)` shaped like the HF tensor tells
+Tensor names and layouts come from `jaxserve.loading.weights.hf_tensor_map`, the loader's own
+table, so they live in one place. Each loader transform there is a reshape/transpose of an HF
+tensor, i.e. a permutation of its elements: applying it to `arange(size)` shaped like the HF tensor tells
 where every HF element lands in the model's array, and scattering the model's array back
 through that permutation inverts it, whatever the transform is.
 """
@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model import LlamaModel
-from jaxserve.weights import hf_tensor_map
+from jaxserve.loading.weights import hf_tensor_map
 
 SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

@@ -37,9 +37,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.model.config import ModelConfig, RopeConfig
 from jaxserve.model import LlamaModel
-from jaxserve.training.causal_attention import causal_attention
+from jaxserve.attention.dense import DenseAttention
 from jaxserve.training.corpus import DEFAULT_PACKAGE_DIR, paragraphs, read_novels
 from jaxserve.training.export import save_hf_folder
 from jaxserve.training.tokenizer import BOS, EOS, save_tokenizer, train_tokenizer
@@ -105,7 +105,7 @@ def loss_fn(model: LlamaModel, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross entropy (nats/token) over tokens `[B, T+1]`."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)  # [B, T]
-    hidden, _ = model(inputs, positions, [None] * len(model.layers), causal_attention)
+    hidden, _ = model(inputs, positions, [None] * len(model.layers), DenseAttention(positions))
     logits = model.logits(hidden)  # [B, T, V]
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

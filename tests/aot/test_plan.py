@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.aot.plan import compile_program
 from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -133,10 +133,10 @@ def test_stacked_layers_lower_one_copy_of_the_layer(scan_layers):
     """Why compile time no longer grows with depth: with `scan_layers` the TPU program calls
     the attention kernel (and every other per-layer function, e.g. silu) once, inside the
     scan, whatever the depth; the layer loop calls them once per layer."""
-    from jaxserve.config import config_from_hf
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.runner import Runner
-    from jaxserve.weights import abstract_sharded_model
+    from jaxserve.model.config import config_from_hf
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.engine.runner import Runner
+    from jaxserve.loading.weights import abstract_sharded_model
     import sharding
 
     mesh = sharding.make_mesh(1, 1, compile_only_devices(Target("tpu", "v5e", 1)))
@@ -146,7 +146,7 @@ def test_stacked_layers_lower_one_copy_of_the_layer(scan_layers):
     for layers in (2, 6):
         cfg = config_from_hf({**TINY, "num_hidden_layers": layers})
         model = abstract_sharded_model(cfg, jnp.bfloat16, mesh, scan_layers)
-        jitted, args = Runner(model, engine, 64, None, mesh).program_inputs("step", 16, 2)
+        jitted, args = Runner(model, engine, 64, mesh, "tpu").program_inputs("step", 16, 2)
         text = jitted.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
         kernel_calls.append(text.count("call @attention(") + text.count("call @silu("))
     if scan_layers:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli import main
+from jaxserve.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted([*REPO.glob("tpu_configs/*.toml"), *REPO.glob("gpu_configs/*.toml")])

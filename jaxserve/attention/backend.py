@@ -1,0 +1,116 @@
+"""The attention backend interface: what the runner asks of a backend, and the callable the
+model receives.
+
+A backend is built once per runner (`jaxserve.attention.make_backend`). Inside a traced
+program the runner hands it the step's `PagedBatch` and gets back a `PagedAttention`, the
+model's `AttentionFn`; every layer calls it with its q, k, v and layer cache. The common part
+lives here: the stacked-layer page offsets and the `shard_map` over the "model" axis (each
+device attends its own heads; the kernels never see the mesh). A backend supplies
+- `step_metadata(batch)`: its per-step pytree, built once per step rather than per layer;
+- `attend(...)`: write this step's K/V into the pages and attend, on one device's heads;
+- optionally the decode-loop hooks: `begin_loop` / `end_loop` turn the cache into what the
+  loop carries and back, and `loop_step` builds each loop step's attention. By default the
+  loop carries the cache itself and each step is a one-token-per-row `for_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import sharding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedBatch:
+    """What attention needs of a step: a flat ragged batch of T tokens from S sequences."""
+
+    slot_mapping: jax.Array  # [T] int32 page * page_size + offset, -1 for padding tokens
+    kv_lens: jax.Array  # [S] int32 cached tokens after this step (0: padding row)
+    page_indices: jax.Array  # [S, P] int32 each row's page table
+    cu_q_lens: jax.Array  # [S + 1] int32 row s's tokens are [cu_q_lens[s], cu_q_lens[s+1])
+    num_seqs: jax.Array  # [1] int32 real rows
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """One way to attend over the paged cache (subclasses: pallas, cpu, reference).
+
+    `pages_per_layer`: with stacked layers the cache is one pool of every layer's pages,
+    layer l's at `[l * pages_per_layer, (l + 1) * pages_per_layer)`; None: per-layer caches.
+    """
+
+    page_size: int
+    sliding_window: int | None = None
+    mesh: Mesh | None = None
+    pages_per_layer: int | None = None
+    name: ClassVar[str] = ""
+
+    # ---- what a backend provides ---------------------------------------------------------
+    def step_metadata(self, batch: PagedBatch) -> Any:
+        """Per-step arrays shared by every layer (traced); None if the backend needs none."""
+        return None
+
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata):
+        """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache starting
+        with `(k_pages, v_pages)` `[N, page_size, Hkv, D]`; `slots [T]` and `page_indices
+        [S, P]` already address this layer's pages → (out `[T, Hq, D]`, new layer cache)."""
+        raise NotImplementedError
+
+    def cache_head_axes(self, layer_cache) -> tuple[int, ...]:
+        """The kv-head axis of each array of a layer cache (pages: axis 2)."""
+        return (2,) * len(layer_cache)
+
+    # ---- decode-loop hooks ----------------------------------------------------------------
+    def begin_loop(self, caches, page_indices):
+        """The cache as the decode loop carries it (default: unchanged)."""
+        return caches
+
+    def loop_step(self, batch: PagedBatch) -> "PagedAttention":
+        """The attention of one decode-loop step (one token per row)."""
+        return self.for_step(batch)
+
+    def end_loop(self, caches):
+        """The loop's carried cache back to the KV cache (default: unchanged)."""
+        return caches
+
+    # ---- common ---------------------------------------------------------------------------
+    def for_step(self, batch: PagedBatch) -> "PagedAttention":
+        return PagedAttention(batch, self.step_metadata(batch), self)
+
+    def layer_pages(self, layer_index, batch: PagedBatch):
+        """Slots `[T]` and page tables `[S, P]` addressing layer `layer_index`'s pages."""
+        if self.pages_per_layer is None:
+            return batch.slot_mapping, batch.page_indices
+        first_page = layer_index * self.pages_per_layer
+        slots = jnp.where(batch.slot_mapping < 0, -1,
+                          batch.slot_mapping + first_page * self.page_size)
+        return slots, batch.page_indices + first_page
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedAttention:
+    """The model's `AttentionFn` for one step: `(layer_index, q, k, v, layer_cache) ->
+    (out, layer_cache)`, tokens a flat ragged batch `[T]`."""
+
+    batch: PagedBatch
+    metadata: Any
+    backend: AttentionBackend = dataclasses.field(metadata=dict(static=True))
+
+    def __call__(self, layer_index, q, k, v, layer_cache):
+        backend = self.backend
+        slots, page_indices = backend.layer_pages(layer_index, self.batch)
+        local = backend.attend
+        if backend.mesh is not None:
+            cache_axes = backend.cache_head_axes(layer_cache)
+            #            q  k  v  layer cache  slots, page tables, batch, metadata (replicated)
+            head_dims = (1, 1, 1, cache_axes, None, None, None, None)
+            local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, cache_axes))
+        return local(q, k, v, tuple(layer_cache), slots, page_indices, self.batch,
+                     self.metadata)  # out [T, Hq, D]

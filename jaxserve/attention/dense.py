@@ -1,0 +1,62 @@
+"""Dense attention without pages: the reference generation path and training.
+
+With a cache, each batch row owns a contiguous cache `[S, Hkv, D]` per layer. New keys/values
+are written at
+their own positions, and a query at position p sees keys 0..p (and, with a sliding window W,
+only those with p - j < W). Because every row is masked by its query positions, ragged
+prompts can be right-padded: padded slots are written with garbage that is overwritten by the
+decode step at that position before any query can see it. Without one (`layer_cache` None,
+as training passes), queries attend causally to the step's own keys, at their positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseAttention:
+    """Attention over per-row dense caches; call signature is the model's `AttentionFn`."""
+
+    positions: jax.Array  # [B, T] int32 position of every query token
+    sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __call__(self, layer_index, q, k, v, layer_cache):
+        batch, tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[-2]
+        if layer_cache is None:  # the step's own keys, at the queries' positions
+            keys, values = k, v  # [B, T, Hkv, D]
+            key_pos = self.positions[:, None, :]  # [B, 1, T]
+        else:
+            k_cache, v_cache = layer_cache  # [B, S, Hkv, D] each
+            rows = jnp.arange(batch)[:, None]  # [B, 1]
+            keys = k_cache.at[rows, self.positions].set(k.astype(k_cache.dtype))
+            values = v_cache.at[rows, self.positions].set(v.astype(v_cache.dtype))
+            layer_cache = (keys, values)
+            key_pos = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+        group = num_heads // num_kv_heads
+        q = q.reshape(batch, tokens, num_kv_heads, group, head_dim)  # [B, T, Hkv, G, D]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
+                            preferred_element_type=jnp.float32)  # [B, Hkv, G, T, S]
+        scores = scores * (head_dim ** -0.5)
+        query_pos = self.positions[:, :, None]  # [B, T, 1]
+        visible = key_pos <= query_pos  # [B, T, S]
+        if self.sliding_window is not None:
+            visible &= query_pos - key_pos < self.sliding_window
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values,
+                         preferred_element_type=jnp.float32)  # [B, T, Hkv, G, D]
+        out = out.reshape(batch, tokens, num_heads, head_dim).astype(q.dtype)
+        return out, layer_cache
+
+
+def empty_dense_cache(num_layers: int, batch: int, length: int, num_kv_heads: int,
+                      head_dim: int, dtype) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer (k, v) caches, each `[B, S, Hkv, D]`."""
+    shape = (batch, length, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]

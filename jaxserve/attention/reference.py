@@ -1,0 +1,23 @@
+"""The reference backend: the pure-jnp oracle of `pallas_kernels.reference`, the definition
+the kernels and the CPU backend are tested against. Every query token gathers its whole page
+table, so it is slow; use it to check results, not to serve."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pallas_kernels
+from jaxserve.attention.backend import AttentionBackend
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend(AttentionBackend):
+    name: ClassVar[str] = "reference"
+
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
+        k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
+        out = pallas_kernels.reference.ragged_paged_attention(
+            q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens, batch.num_seqs,
+            sliding_window=self.sliding_window)
+        return out, (k_pages, v_pages)

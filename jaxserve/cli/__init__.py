@@ -1,0 +1,5 @@
+"""The `jaxserve` command line."""
+
+from jaxserve.cli.main import main
+
+__all__ = ["main"]

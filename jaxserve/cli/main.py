@@ -1,0 +1,248 @@
+"""The `jaxserve` command line: `serve`, `generate`, `bench serve`, `convert`.
+
+    jaxserve serve [--model PATH] [--config PRESET.toml] [--host 127.0.0.1] [--port 8000]
+    jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
+    jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+    jaxserve bench offline [--model PATH]
+    jaxserve convert --model HF_DIR --out CKPT_DIR
+    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
+
+Options are named as vLLM users know them. Settings come from, in rising priority: the
+built-in defaults, the preset (`--config FILE`; the `cpu` preset on CPU), then flags given
+explicitly (see `jaxserve.presets.engine_settings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve import __version__
+
+# flag dest → engine option; only flags the user actually gives override the preset
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
+                "tensor_parallel_size", "data_parallel_size", "scan_layers")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder or jaxserve orbax checkpoint "
+                             "(default: the small model shipped with jaxserve)")
+    parser.add_argument("--config", default=None,
+                        help="deployment preset (TOML, see tpu_configs/ and gpu_configs/)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=None)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    parser.add_argument("--num-decode-steps", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the layers as one lax.scan over stacked weights (default: "
+                             "on for TPU/GPU, off on CPU)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off automatic prefix caching")
+    parser.add_argument("--strict-compile", action="store_true",
+                        help="raise instead of compiling after warm-up")
+
+
+def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, dict]:
+    """(model path, dtype, engine options from flags) for `LLM(model, dtype, config=
+    args.config, **options)`, which puts the flags on top of the preset."""
+    return args.model or default_model_dir(), args.dtype, flag_options(args)
+
+
+def flag_options(args: argparse.Namespace) -> dict:
+    """The engine options the user gave as flags (they override the preset's)."""
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS
+               if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.strict_compile:
+        options["strict_compile"] = True
+    return options
+
+
+def default_model_dir() -> str:
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxserve.engine import multihost
+    from jaxserve.server.app import create_app
+    from jaxserve.server.state import ServerOptions, ServerState
+
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    model, dtype, options = resolve_model_settings(args)
+    if not multihost.is_leader():
+        from jaxserve.llm import LLM
+
+        LLM(model, dtype=dtype, config=args.config, **options).engine.run_follower()
+        return 0
+    served_names = args.served_model_name
+    if served_names is None and args.model is None:
+        from jaxserve.default_model import DEFAULT_MODEL_NAME
+
+        served_names = [DEFAULT_MODEL_NAME]
+    state = ServerState(ServerOptions(
+        model=model, served_model_name=served_names, dtype=dtype, config=args.config,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests, engine_options=options))
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    model, dtype, options = resolve_model_settings(args)
+    llm = LLM(model, dtype=dtype, config=args.config, **options)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    if args.chat:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.tokenizer.encode(args.prompt)
+        print(args.prompt, end="", flush=True)
+    engine = llm.engine
+    seq = engine.add_request("cli", ids, params, args.prompt)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            print(delta.new_text, end="", flush=True)
+    print()
+    print(f"[{len(seq.output_token_ids)} tokens, finish_reason={seq.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxserve.loading.checkpoint import convert
+
+    convert(args.model, args.out)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxserve.aot.plan import build_plan, plan_target
+    from jaxserve.aot.report import format_plan
+    from jaxserve.presets import load_preset, reference_model_dir
+
+    if not args.config:
+        raise ValueError("plan needs --config PRESET (a file in tpu_configs/ or gpu_configs/)")
+    preset = load_preset(args.config)
+    plan_target(preset)  # a preset that cannot be planned fails before any work
+    import jax
+
+    if not jax.config.jax_platforms:  # the host compiles; never probe for attached chips
+        jax.config.update("jax_platforms", "cpu")
+    model_dir = reference_model_dir(args.model) if args.model else preset.plan_model_dir()
+    plan = build_plan(preset, model_dir, args.dtype, flag_options(args),
+                      all_buckets=args.all_buckets,
+                      verbose=args.verbose, progress=not args.json,
+                      model_name=args.model or preset.plan_model)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan, args.verbose))
+    return 0 if plan["fits"] else 1
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from jaxserve.bench.serve_bench import run_from_args
+
+    return run_from_args(args)
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from jaxserve.bench.offline_bench import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="LLM inference runtime in JAX/XLA for TPUs and GPUs.")
+    parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model path)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="beyond this many queued requests answer 429")
+    serve.add_argument("--drain-timeout", type=int, default=300,
+                       help="seconds to let in-flight requests finish after SIGTERM")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--coordinator-address", default=None,
+                       help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
+    serve.add_argument("--num-processes", type=int, default=None)
+    serve.add_argument("--process-id", type=int, default=None)
+    serve.set_defaults(handler=_serve)
+
+    generate = commands.add_parser("generate", help="stream a completion of one prompt")
+    generate.add_argument("prompt", help="the prompt text")
+    _add_model_options(generate)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap the prompt as a user message in the chat template")
+    generate.set_defaults(handler=_generate)
+
+    convert = commands.add_parser("convert", help="write an orbax checkpoint of an HF folder")
+    convert.add_argument("--model", required=True, help="Hugging Face model folder")
+    convert.add_argument("--out", required=True, help="checkpoint folder to create")
+    convert.set_defaults(handler=_convert)
+
+    plan = commands.add_parser(
+        "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
+                     "report memory per device and whether it fits (exit 0 fits, 1 not)")
+    _add_model_options(plan)
+    plan.set_defaults(model=None)
+    plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    plan.add_argument("--all-buckets", action="store_true",
+                      help="compile every bucket (default: each kind's smallest and largest)")
+    plan.add_argument("--verbose", action="store_true",
+                      help="also the Triton kernels' registers, spills and shared memory (GPU)")
+    plan.set_defaults(handler=_plan)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    from jaxserve.bench import offline_bench, serve_bench
+
+    bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
+    serve_bench.add_arguments(bench_serve)
+    bench_serve.set_defaults(handler=_bench_serve)
+    bench_offline = bench_kinds.add_parser(
+        "offline", help="generation throughput vs transformers, decode roofline")
+    offline_bench.add_arguments(bench_offline)
+    bench_offline.set_defaults(handler=_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        return args.handler(args)
+    except ValueError as err:
+        print(f"jaxserve: error: {err}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,24 @@
+"""The serving engine: continuous batching over a paged KV cache.
+
+One request's path through this package (the server and `LLM` both enter at `Engine`):
+
+1. `engine.Engine.add_request` validates it into a `sequence.Sequence` and queues it; the
+   next `step()` hands it to the least-loaded replica's `scheduler.Scheduler`.
+2. `Scheduler.schedule()` picks this step's work under the token budget (decode tokens first,
+   then prefill chunks), reserving pages from `page_allocator.PageAllocator` (which also
+   finds cached prefixes); an all-decode step becomes a multi-step decode loop.
+3. `batcher.build_step_input` pads the step to a (tokens, sequences) bucket as numpy arrays.
+4. `runner.Runner` runs that bucket's program, compiled at warm-up: the model
+   (`jaxserve.model`) with the attention backend's per-step function
+   (`jaxserve.attention`), K/V written into the donated cache (`kv_cache`), then
+   `sampler` on device. One host copy brings the sampled tokens back.
+5. `Scheduler.postprocess` appends the tokens, checks stop tokens and length, keys full pages
+   for the prefix cache and frees finished sequences' pages.
+6. `output_processor.OutputProcessor` detokenizes, finds stop strings (the engine then calls
+   `Scheduler.stop_early`) and returns a `StreamDelta`; `metrics` records the step and every
+   finished request, and `Engine.stats()` reports queue lengths and cache usage.
+
+`config.EngineConfig` holds the options; `multihost` broadcasts each step's input from
+process 0 to the others. The scheduler, allocator, sequence and batcher are plain Python and
+numpy; everything that touches jax is in the runner, the sampler, the cache and the engine.
+"""

@@ -1,0 +1,135 @@
+"""Pads a scheduled step to a bucket and packs it into one small pytree of arrays (numpy).
+
+Every compiled program has one (tokens, sequences) shape from the two bucket ladders, so the
+step's real sizes are rounded up to the next rung; padding tokens write nowhere (slot -1) and
+padding sequences have no tokens and page tables of the padding page 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import SchedulerOutput
+
+MAX_DEVICE_STOP_IDS = 8  # stop ids checked on device per row; the host checks them all
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling settings of one batch."""
+
+    temperature: np.ndarray  # [B] float32, 0 = greedy
+    top_k: np.ndarray  # [B] int32, 0 = whole vocabulary
+    top_p: np.ndarray  # [B] float32, 1 = off
+    min_p: np.ndarray  # [B] float32, 0 = off
+    seed: np.ndarray  # [B] uint32
+    presence: np.ndarray  # [B] float32, 0 = off
+    frequency: np.ndarray  # [B] float32, 0 = off
+    repetition: np.ndarray  # [B] float32, 1 = off
+    wants_logprobs: np.ndarray  # [B] bool, the request asked for log-probabilities
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
+                    batch: int) -> "SamplingArrays":
+        """Pack `params` into rows, padding to `batch` rows with greedy settings."""
+        pad = batch - len(params)
+        if pad < 0:
+            raise ValueError(f"{len(params)} requests do not fit a batch of {batch}")
+
+        def column(values, fill, dtype):
+            return np.asarray(list(values) + [fill] * pad, dtype=dtype)
+
+        return cls(
+            temperature=column((p.temperature for p in params), 0.0, np.float32),
+            top_k=column((max(p.top_k, 0) for p in params), 0, np.int32),
+            top_p=column((p.top_p for p in params), 1.0, np.float32),
+            min_p=column((p.min_p for p in params), 0.0, np.float32),
+            seed=column((s % 2**32 for s in seeds), 0, np.uint32),
+            presence=column((p.presence_penalty for p in params), 0.0, np.float32),
+            frequency=column((p.frequency_penalty for p in params), 0.0, np.float32),
+            repetition=column((p.repetition_penalty for p in params), 1.0, np.float32),
+            wants_logprobs=column((p.logprobs is not None for p in params), False, np.bool_),
+        )
+
+
+@dataclasses.dataclass
+class StepInput:
+    """One step's inputs: a flat ragged batch of T tokens from S sequences."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32, page * page_size + offset; -1 for padding
+    kv_lens: np.ndarray  # [S] int32, cached tokens after this step
+    page_indices: np.ndarray  # [S, P] int32
+    cu_q_lens: np.ndarray  # [S + 1] int32
+    num_seqs: np.ndarray  # [1] int32
+    logits_indices: np.ndarray  # [S] int32, the flat index of each sequence's last token
+    sampling: SamplingArrays  # [S] rows
+    max_new: np.ndarray  # [S] int32, tokens each row may still generate (decode loop)
+    stop_ids: np.ndarray  # [S, MAX_DEVICE_STOP_IDS] int32, -1 padded (decode loop)
+    history: np.ndarray  # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only
+    prompt_lens: np.ndarray  # [S] int32, how many of `history` are prompt tokens
+
+
+def bucket_for(ladder: tuple[int, ...], size: int) -> int:
+    """The smallest rung of `ladder` that holds `size`."""
+    index = bisect.bisect_left(ladder, size)
+    if index == len(ladder):
+        raise ValueError(f"size {size} exceeds the largest bucket {ladder[-1]}")
+    return ladder[index]
+
+
+def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
+    """Pack the scheduled chunks, padded to (token bucket, sequence bucket)."""
+    num_seqs = len(out.chunks)
+    rows = bucket_for(config.seq_buckets, num_seqs)
+    if out.num_decode_steps > 1:
+        tokens = rows  # the decode loop feeds exactly one token per row
+    else:
+        tokens = bucket_for(config.token_buckets, max(out.num_tokens, rows))
+    page_size = config.page_size
+    token_ids = np.zeros(tokens, np.int32)
+    positions = np.zeros(tokens, np.int32)
+    slots = np.full(tokens, -1, np.int32)
+    kv_lens = np.zeros(rows, np.int32)
+    page_indices = np.zeros((rows, config.pages_per_seq), np.int32)
+    cu_q_lens = np.zeros(rows + 1, np.int32)
+    max_new = np.zeros(rows, np.int32)
+    stop_ids = np.full((rows, MAX_DEVICE_STOP_IDS), -1, np.int32)
+    history = np.full((rows, config.max_model_len), -1, np.int32)
+    prompt_lens = np.zeros(rows, np.int32)
+    start = 0
+    for i, chunk in enumerate(out.chunks):
+        seq, count = chunk.seq, chunk.num_tokens
+        first = seq.num_computed_tokens
+        pos = np.arange(first, first + count, dtype=np.int32)
+        token_ids[start:start + count] = seq.token_ids[first:first + count]
+        positions[start:start + count] = pos
+        pages = np.asarray(seq.pages, np.int32)
+        slots[start:start + count] = pages[pos // page_size] * page_size + pos % page_size
+        kv_lens[i] = first + count
+        page_indices[i, :len(pages)] = pages
+        start += count
+        cu_q_lens[i + 1] = start
+        max_new[i] = seq.remaining_new_tokens
+        ids = sorted(seq.stop_token_ids)[:MAX_DEVICE_STOP_IDS]
+        stop_ids[i, :len(ids)] = ids
+        if seq.params.has_penalties:
+            history[i, :seq.num_tokens] = seq.token_ids
+            prompt_lens[i] = len(seq.prompt_token_ids)
+    cu_q_lens[num_seqs + 1:] = start
+    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+    params = [c.seq.params for c in out.chunks]
+    seeds = [c.seq.seed for c in out.chunks]
+    return StepInput(
+        token_ids=token_ids, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
+        page_indices=page_indices, cu_q_lens=cu_q_lens,
+        num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
+        sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,
+        stop_ids=stop_ids, history=history, prompt_lens=prompt_lens)

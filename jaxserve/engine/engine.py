@@ -1,0 +1,316 @@
+"""The serving engine: continuous batching over a paged KV cache.
+
+Each `step()`: drain the inbox (new requests, aborts) → the scheduler picks this step's work
+under the token budget → the batcher pads it to a bucket → the runner executes the compiled
+program → sampled tokens come back in one host copy → `Scheduler.postprocess` (tokens
+appended, stop tokens and length, pages) → the output processors (text, stop strings) → one
+`StreamDelta` per request that moved. `add_request` and `abort` are safe to call from other
+threads (the server's); `step()` runs on one thread.
+
+Devices. The engine builds the `("data", "model")` mesh from `tensor_parallel_size` and
+`data_parallel_size` and places the model on it by the partition rules (`shard_model`; a
+no-op when `LLM` already loaded it sharded). Data parallelism is a set of independent
+replicas, one per `(1, tp)` sub-mesh, each with its own scheduler, page pool, KV cache and
+compiled programs; a new request joins the least-loaded replica, and each `step()` dispatches
+every busy replica before fetching any result, so they run concurrently. Why replicas
+rather than one program with the batch split across "data": a paged cache is a pool of pages
+that any sequence may use, and splitting it across "data" would need per-shard pools inside
+one scheduler and every step padded to the busiest shard; replicas keep the scheduler, the
+allocator and the kernels unchanged, and each pads only to its own batch's bucket. Building
+a replica copies nothing: its weights are views of the buffers already on its devices.
+`runner` is replica 0's; `replicas` lists them all; `stats()` sums them.
+
+Multi-host (see `jaxserve.engine.multihost`): process 0 schedules and broadcasts each step's
+input before running it; other processes call `run_follower()`, which runs the same programs until
+the leader's `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import queue
+import time
+from typing import Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+import sharding
+from jaxserve.errors import InvalidRequestError
+from jaxserve.engine import multihost
+from jaxserve.engine.batcher import StepInput, build_step_input
+from jaxserve.model.config import ModelConfig
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_cache import choose_num_pages
+from jaxserve.engine.metrics import EngineMetrics, EngineStats, StepRecord
+from jaxserve.model import LlamaModel
+from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.runner import Runner
+from jaxserve.engine.sampler import SampleResult
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
+from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.loading.weights import shard_model, stack_layers
+
+
+def enable_compilation_cache(config: EngineConfig) -> None:
+    """Turn on JAX's persistent compilation cache (unless the user already chose a folder),
+    so a restart loads the bucket programs instead of compiling them."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    folder = config.resolved_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
+    """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU.
+    `platform`: where the programs will run (default: JAX's default backend)."""
+    if config.scan_layers is not None:
+        return config.scan_layers
+    return (platform or jax.default_backend()) != "cpu"
+
+
+def engine_mesh(config: EngineConfig) -> Mesh:
+    """The `(data_parallel_size, tensor_parallel_size)` mesh over all processes' devices."""
+    if config.data_parallel_size > 1 and multihost.is_multiprocess():
+        raise ValueError("data_parallel_size > 1 is not supported across several processes; "
+                         "use tensor_parallel_size over all hosts' devices")
+    size = config.tensor_parallel_size * config.data_parallel_size
+    if multihost.is_multiprocess() and size != jax.device_count():
+        raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) must equal "
+                         f"the {jax.device_count()} devices of all processes in a multi-host "
+                         "run, so every process takes part in every step")
+    return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+
+
+def _on_mesh(model: LlamaModel, mesh: Mesh) -> LlamaModel:
+    """A replica's model: the same device buffers, viewed on its sub-mesh."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: sharding.restrict_to(a, mesh), state))
+
+
+@dataclasses.dataclass
+class Replica:
+    """One data-parallel replica: a page pool, its scheduler and a runner on a sub-mesh."""
+
+    allocator: PageAllocator
+    scheduler: Scheduler
+    runner: Runner
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
+class Engine:
+    """Serves many requests at once on one model."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: Tokenizer | None,
+                 eos_token_ids: Iterable[int], progress: bool = True):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        enable_compilation_cache(config)
+        self.mesh = engine_mesh(config)
+        model = shard_model(model, self.mesh)
+        if scan_layers_for(config):
+            model = stack_layers(model)  # consumes the per-layer arrays
+        self.model = model
+        self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
+        dtype = model.embed[...].dtype
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        self.num_pages = multihost.agree(choose_num_pages(
+            model.config, config, dtype, local[0], config.tensor_parallel_size))
+        self.replicas: list[Replica] = []
+        for sub_mesh in sharding.replica_meshes(self.mesh):
+            allocator = PageAllocator(self.num_pages, config.page_size,
+                                      config.enable_prefix_caching)
+            replica_model = model if config.data_parallel_size == 1 else _on_mesh(model, sub_mesh)
+            runner = Runner(replica_model, config, self.num_pages, sub_mesh)
+            runner.warm_up(progress)
+            self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
+        self.runner = self.replicas[0].runner
+        self.metrics = EngineMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._processors: dict[str, OutputProcessor] = {}
+        self._owners: dict[str, Replica] = {}  # request id → the replica serving it
+        self._seed_rng = np.random.default_rng(0)
+        self._stopped = False
+        if multihost.is_multiprocess() and multihost.is_leader():
+            atexit.register(self.shutdown)  # followers must not outlive the leader
+
+    # ---- requests -----------------------------------------------------------------------
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, prompt: str | None = None) -> Sequence:
+        """Validate a request and build its sequence (raises `InvalidRequestError`)."""
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                "prompt", f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                "stop_token_ids", f"stop_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; max_model_len is "
+                                      f"{limit} (prompt plus at least one new token)")
+        max_new = min(params.max_tokens or limit, limit - len(ids))
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed,
+                        max_new_tokens=max_new, stop_token_ids=frozenset(stops), prompt=prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, prompt: str | None = None) -> Sequence:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        seq = self.make_sequence(request_id, prompt_token_ids, params, prompt)
+        self.enqueue(seq)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a sequence built by `make_sequence` (thread-safe)."""
+        self._inbox.put(("add", seq))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages at the next step (thread-safe)."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return (any(r.scheduler.has_work() for r in self.replicas)
+                or not self._inbox.empty())
+
+    def _drain_inbox(self) -> list[StreamDelta]:
+        deltas = []
+        while not self._inbox.empty():
+            kind, item = self._inbox.get()
+            if kind == "add":
+                replica = min(self.replicas, key=lambda r: r.load)
+                self._processors[item.request_id] = OutputProcessor(item, self.tokenizer)
+                self._owners[item.request_id] = replica
+                replica.scheduler.add(item)
+            elif item in self._owners:
+                seq = self._owners[item].scheduler.abort(item)
+                if seq is not None:
+                    deltas.append(self._finish_aborted(seq))
+        return deltas
+
+    # ---- stepping -----------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduled step (or one decode loop) on every busy replica; return what
+        each request gained."""
+        deltas = self._drain_inbox()
+        started = time.monotonic()
+        launched = []
+        for replica in self.replicas:  # dispatch all before fetching any
+            plan = replica.scheduler.schedule()
+            if plan.chunks:
+                inp = build_step_input(plan, self.config)
+                launched.append((replica, plan, inp, self._launch(replica.runner, plan, inp)))
+        for replica, plan, inp, pending in launched:
+            if plan.num_decode_steps > 1:
+                result, produced = jax.device_get(pending)  # [S, K, ...], [S]
+                fed = produced = [int(n) for n in produced[:len(plan.chunks)]]
+            else:
+                result = jax.tree.map(lambda a: a[:, None], jax.device_get(pending))  # [S, 1, ...]
+                fed = [c.num_tokens for c in plan.chunks]
+                produced = [int(c.samples) for c in plan.chunks]
+            sampled = [result.tokens[i, :n].tolist() for i, n in enumerate(produced)]
+            updates = replica.scheduler.postprocess(plan, sampled, fed)
+            deltas += [self._output(replica, update, result) for update in updates]
+            self.metrics.record_step(StepRecord(
+                num_seqs=len(plan.chunks), num_tokens=plan.num_tokens,
+                padded_tokens=int(inp.token_ids.shape[0]),
+                num_decode_steps=plan.num_decode_steps,
+                kv_cache_usage=replica.allocator.usage, duration=time.monotonic() - started))
+        return deltas
+
+    def _output(self, replica: Replica, update: SequenceUpdate,
+                result: SampleResult) -> StreamDelta:
+        """Text and stream delta of one sequence's new tokens (fields of `result` `[S, K,
+        ...]`); a stop string found in the text stops the sequence there."""
+        seq = update.seq
+        entries = None
+        if seq.params.logprobs is not None:
+            count, row = len(update.new_token_ids), update.row
+            entries = logprob_entries(result.tokens[row, :count], result.logprob[row, :count],
+                                      result.top_ids[row, :count],
+                                      result.top_logprobs[row, :count], seq.params.logprobs)
+        delta, keep = self._processors[seq.request_id].process(
+            update.new_token_ids, update.finish_reason, entries)
+        if keep is not None:
+            replica.scheduler.stop_early(update, keep)
+        if delta.finished:
+            self._owners.pop(seq.request_id, None)
+            self.metrics.record_finished(seq)
+        return delta
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, cache usage and counters summed over the replicas (what the server's
+        admission control and `/metrics` read)."""
+        totals: dict[str, int] = collections.Counter()
+        for replica in self.replicas:
+            totals.update(replica.scheduler.stats())
+            totals.update(replica.allocator.stats())
+            totals["compiles_after_warmup"] += replica.runner.compiles_after_warmup
+        usage = sum(r.allocator.usage for r in self.replicas) / len(self.replicas)
+        return EngineStats(kv_cache_usage=usage, **totals)
+
+    def _launch(self, runner: Runner, plan: SchedulerOutput, inp: StepInput):
+        """Dispatch the step's program (telling followers first in a multi-host run)."""
+        decode = plan.num_decode_steps > 1
+        if multihost.is_multiprocess():
+            if self._stopped:
+                raise RuntimeError("engine was shut down; followers have left")
+            multihost.send_step(multihost.DECODE if decode else multihost.STEP, inp,
+                                plan.num_decode_steps)
+        if decode:
+            return runner.launch_decode(inp, plan.num_decode_steps)
+        return runner.launch_step(inp)
+
+    # ---- multi-host ---------------------------------------------------------------------
+    def run_follower(self) -> None:
+        """On a process other than 0: run the leader's steps until its `shutdown()`."""
+        if multihost.is_leader():
+            raise ValueError("run_follower is for processes other than 0; process 0 serves")
+        while True:
+            kind, inp, num_steps = multihost.receive_step(self.runner.empty_input)
+            if kind == multihost.STOP:
+                return
+            if kind == multihost.DECODE:
+                self.runner.decode(inp, num_steps)
+            else:
+                self.runner.step(inp)
+
+    def shutdown(self) -> None:
+        """On process 0 of a multi-host run: release the followers (idempotent; also run at
+        exit). A no-op for one process."""
+        if multihost.is_multiprocess() and multihost.is_leader() and not self._stopped:
+            self._stopped = True
+            multihost.send_stop()
+
+    def _finish_aborted(self, seq: Sequence) -> StreamDelta:
+        self._owners.pop(seq.request_id, None)
+        self.metrics.record_finished(seq)
+        return self._processors[seq.request_id].delta([], "abort")
+
+    def pop_output(self, seq: Sequence) -> RequestOutput:
+        """The final output of a finished request; forgets its text state."""
+        processor = self._processors.pop(seq.request_id)
+        completion = CompletionOutput(0, processor.text, list(seq.output_token_ids),
+                                      seq.finish_reason, processor.logprobs)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+                             [completion], finished=seq.status is Status.FINISHED)

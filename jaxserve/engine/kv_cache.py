@@ -1,0 +1,80 @@
+"""The paged KV cache: per layer `(k_pages, v_pages)`, each
+`[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), or with stacked
+layers one pair holding every layer's pages (`cache_structure`), and its sizing.
+
+On a mesh the cache is split on its kv-heads axis (`sharding.kv_cache_sharding`), like the
+k/v projections that fill it; every device holds all pages of its heads, so the page
+allocator stays one global pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.engine.config import EngineConfig
+
+CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
+
+
+def page_bytes(model: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page across all layers, keys and values."""
+    per_layer = page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * model.num_layers * per_layer
+
+
+def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
+                     device: jax.Device | None = None, tensor_parallel_size: int = 1) -> int:
+    """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
+    for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
+    on the mesh: each device holds 1/tensor_parallel_size of its kv heads."""
+    device = device or jax.devices()[0]
+    stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+    return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
+                            stats.get("bytes_in_use", 0), tensor_parallel_size)
+
+
+def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
+                     bytes_in_use: int, tensor_parallel_size: int = 1) -> int:
+    """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
+    bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
+    limit. `jaxserve plan` calls this with the numbers of a device that is not attached."""
+    if engine.num_pages is not None:
+        return engine.num_pages
+    one_page = page_bytes(model, engine.page_size, dtype) // tensor_parallel_size
+    if bytes_limit is not None:
+        budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
+        pages = max(budget, 0) // one_page
+    else:
+        wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
+        pages = min(wanted, CPU_KV_CACHE_BYTES // one_page)
+    if pages < 1 + engine.pages_per_seq:
+        raise ValueError(
+            f"the KV cache fits only {pages} pages of {engine.page_size} tokens, fewer than one "
+            f"sequence of max_model_len={engine.max_model_len} needs; lower max_model_len or "
+            "raise kv_cache_memory_fraction / num_pages")
+    return int(pages)
+
+
+def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                    scan_layers: bool, sharding=None):
+    """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
+    `[num_pages, page_size, Hkv, D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
+    `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
+    `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
+    offsets each layer's page ids)."""
+    pages = num_pages * model.num_layers if scan_layers else num_pages
+    shape = (pages, page_size, model.num_kv_heads, model.head_dim)
+    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    return (page, page) if scan_layers else [(page, page) for _ in range(model.num_layers)]
+
+
+def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
+                      sharding=None, scan_layers: bool = False):
+    """Zeroed caches laid out as `cache_structure` says, placed with `sharding` (default:
+    the default device)."""
+    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, sharding)
+    page = jax.tree.leaves(structure)[0]  # every array has the same shape
+    zeros = jax.jit(lambda: jnp.zeros(page.shape, page.dtype), out_shardings=sharding)
+    return jax.tree.map(lambda _: zeros(), structure)

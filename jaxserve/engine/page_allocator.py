@@ -1,0 +1,119 @@
+"""KV-cache page allocator with reference counts and a prefix cache (plain Python, no jax).
+
+Page 0 is never handed out: padding tokens and padding sequences point at it.
+
+Prefix caching: a full page is keyed by a hash chained over every token before it and in it,
+so equal keys mean equal K/V. A new request reuses the pages of its longest cached prefix
+(reference counted; full pages are never written again, so no copy-on-write is needed).
+A page whose count drops to zero keeps its key and waits in an LRU list; it is evicted, and
+its key forgotten, only when a fresh page is needed and none is free.
+"""
+
+from __future__ import annotations
+
+import collections
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Key of a full page given the key of the page before it."""
+    return hash((parent, tokens))
+
+
+class PageAllocator:
+    """Hands out page ids; tracks sharing and the prefix cache."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is padding), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_pages
+        self._free = collections.deque(range(1, num_pages))  # unkeyed pages, count 0
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._page_of_hash: dict[int, int] = {}
+        self._hash_of_page: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    def stats(self) -> dict[str, int]:
+        """Prefix-cache counters, for the engine's `stats()`."""
+        return {"prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits}
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that `allocate` can hand out now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages held by sequences (0..1)."""
+        return 1.0 - self.num_free_pages / (self.num_pages - 1)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` fresh pages, or None (nothing taken) if there are not enough."""
+        if count > self.num_free_pages:
+            return None
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)  # least recently used
+                del self._page_of_hash[self._hash_of_page.pop(page)]
+            self._refcount[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page; unreferenced keyed pages stay cached."""
+        for page in reversed(pages):  # the tail of a sequence is evicted first
+            self._refcount[page] -= 1
+            if self._refcount[page] < 0:
+                raise RuntimeError(f"page {page} freed more often than allocated")
+            if self._refcount[page] == 0:
+                if page in self._hash_of_page:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Cached pages of the longest prefix of `token_ids` made of full pages, with their
+        keys; the pages are referenced for the caller. At least one token is left
+        uncomputed, since the step that computes it produces the next token's logits."""
+        if not self.enable_prefix_caching:
+            return [], []
+        usable = (len(token_ids) - 1) // self.page_size
+        self.prefix_queries += len(token_ids)
+        pages, hashes, parent = [], [], None
+        for i in range(usable):
+            key = chain_hash(parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            page = self._page_of_hash.get(key)
+            if page is None:
+                break
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+            pages.append(page)
+            hashes.append(key)
+            parent = key
+        self.prefix_hits += len(pages) * self.page_size
+        return pages, hashes
+
+    def register_full_pages(self, token_ids: list[int], pages: list[int],
+                            page_hashes: list[int], num_computed: int) -> None:
+        """Key the pages that `num_computed` tokens have filled; extends `page_hashes`."""
+        if not self.enable_prefix_caching:
+            return
+        full = num_computed // self.page_size
+        for i in range(len(page_hashes), full):
+            parent = page_hashes[-1] if page_hashes else None
+            key = chain_hash(parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            page_hashes.append(key)
+            if key not in self._page_of_hash and pages[i] not in self._hash_of_page:
+                self._page_of_hash[key] = pages[i]
+                self._hash_of_page[pages[i]] = key

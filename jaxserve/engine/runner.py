@@ -1,0 +1,245 @@
+"""Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
+
+The programs (the first two take the weights, the donated KV cache and a `StepInput`):
+- "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
+  decode tokens, K/V written into the cache, one token sampled per sequence.
+- "decode" (S): `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled
+  token back, with stop tokens and per-row limits checked on device, so several tokens come
+  back per host round-trip.
+
+Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
+the runner hands it each step's `PagedBatch` and passes what it returns to the model; the
+decode loop lets it carry what it needs between steps (`begin_loop` / `end_loop`). The
+runner itself has no backend-specific code.
+
+Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
+a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
+This is the one place that calls `jax.jit` for the model step.
+
+The KV cache has the model's layout: per-layer `(k_pages, v_pages)` for a list of layers, one
+pool of every layer's pages for stacked layers (`scan_layers`, `kv_cache.cache_structure`).
+A model whose parameters are abstract (`jaxserve plan`) gets an abstract cache: its programs
+can be compiled for a device that is not attached, never run.
+
+Everything lives on a mesh (one replica's `(1, tp)` mesh; `(1, 1)` on one device): weights
+as `jaxserve.loading.weights.shard_model` placed them, the cache split on kv heads, step inputs and
+sampled results replicated, so every process of a multi-host run can feed the same inputs
+and read the results. `launch_*` only dispatch (several replicas then run concurrently);
+`step` / `decode` also fetch the results.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+import sharding
+
+from jaxserve.attention import PagedBatch, make_backend
+from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
+from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
+from jaxserve.model import LlamaModel
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+# The batcher builds step inputs in numpy; the programs take them as pytrees.
+jax.tree_util.register_dataclass(StepInput)
+
+
+class CompileAfterWarmupError(RuntimeError):
+    """A program was needed that warm-up did not compile, and `strict_compile` is on."""
+
+
+class Runner:
+    """Holds the weights, the KV cache and the compiled programs."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, mesh: Mesh,
+                 platform: str | None = None):
+        """`model` must already be placed on `mesh` (`jaxserve.loading.weights.shard_model`),
+        or be abstract (parameters `jax.ShapeDtypeStruct`s with their shardings, as
+        `jaxserve plan` builds it): then the KV cache is abstract too and the programs can
+        only be compiled, not run. `platform`: where the programs run (default: JAX's
+        default backend; `jaxserve plan` names its target's)."""
+        self.config = config
+        self.model_config = model.config
+        self.mesh = mesh
+        self.graphdef, self.state = nnx.split(model)
+        embed = model.embed.get_value()
+        cache_sh = sharding.kv_cache_sharding(mesh)
+        self.num_pages = num_pages
+        self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
+                                      embed.dtype, platform)
+        if isinstance(embed, jax.ShapeDtypeStruct):  # abstract: compile only
+            self.caches = cache_structure(model.config, num_pages, config.page_size,
+                                          embed.dtype, model.scan_layers, cache_sh)
+        else:
+            self.caches = allocate_kv_cache(model.config, num_pages, config.page_size,
+                                            embed.dtype, cache_sh, model.scan_layers)
+        self.replicated = sharding.replicated(mesh)
+        caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
+        self._jitted = {
+            "step": jax.jit(self._step, donate_argnums=(1,),
+                            out_shardings=(self.replicated, caches_sh)),
+            "decode": jax.jit(self._decode, donate_argnums=(1,),
+                              out_shardings=(self.replicated, self.replicated, caches_sh))}
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
+
+    # ---- traced programs ----------------------------------------------------------------
+    def _step(self, state, caches, inp: StepInput):
+        model = nnx.merge(self.graphdef, state)
+        attention = self.attention.for_step(PagedBatch(
+            inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs))
+        hidden, caches = model(inp.token_ids, inp.positions, caches, attention)  # [T, E]
+        logits = model.logits(hidden[inp.logits_indices])  # [S, V]
+        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
+                                          inp.sampling)
+        return sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts), caches
+
+    def _decode(self, state, caches, inp: StepInput, num_steps):
+        model = nnx.merge(self.graphdef, state)
+        rows = inp.kv_lens.shape[0]
+        page_size = self.config.page_size
+        row = jnp.arange(rows)
+        valid = row < inp.num_seqs[0]  # [S]
+        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
+        steps = self.config.num_decode_steps
+        out = SampleResult(  # [S, K] per field (+ [MAX_LOGPROBS] for the top lists)
+            tokens=jnp.zeros((rows, steps), jnp.int32),
+            logprob=jnp.zeros((rows, steps), jnp.float32),
+            top_ids=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.int32),
+            top_logprobs=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.float32))
+        count = jnp.zeros((rows,), jnp.int32)
+        done = ~valid | (inp.max_new <= 0)
+        vocab = self.model_config.vocab_size
+        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
+
+        def cond(carry):
+            step, _, _, done, _, _, _, _ = carry
+            return (step < num_steps) & ~jnp.all(done)
+
+        def body(carry):
+            step, out, count, done, current, position, counts, caches = carry
+            page = inp.page_indices[row, position // page_size]
+            slots = jnp.where(done, -1, page * page_size + position % page_size)
+            attention = self.attention.loop_step(PagedBatch(
+                slots, jnp.where(valid, position + 1, 0), inp.page_indices, cu_q_lens,
+                inp.num_seqs))
+            hidden, caches = model(current, position, caches, attention)  # [S, E]
+            result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
+                                          counts)
+            new = result.tokens  # [S]
+            out = jax.tree.map(lambda buf, value: buf.at[:, step].set(value), out, result)
+            counts = counts.add(new, ~done)
+            count = count + (~done).astype(jnp.int32)
+            stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1) | (count >= inp.max_new)
+            position = jnp.where(done, position, position + 1)
+            current = jnp.where(done, current, new)
+            return step + 1, out, count, done | stopped, current, position, counts, caches
+
+        caches = self.attention.begin_loop(caches, inp.page_indices)
+        carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
+        _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
+        return out, count, self.attention.end_loop(caches)  # SampleResult of [S, K], [S]
+
+    # ---- compilation --------------------------------------------------------------------
+    def _input_shapes(self, tokens: int, rows: int) -> StepInput:
+        sh = self.replicated
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)  # noqa: E731
+        return StepInput(
+            token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
+            kv_lens=i32(rows), page_indices=i32(rows, self.config.pages_per_seq),
+            cu_q_lens=i32(rows + 1), num_seqs=i32(1), logits_indices=i32(rows),
+            sampling=SamplingArrays(temperature=f32(rows), top_k=i32(rows), top_p=f32(rows),
+                                    min_p=f32(rows),
+                                    seed=jax.ShapeDtypeStruct((rows,), jnp.uint32,
+                                                              sharding=sh),
+                                    presence=f32(rows), frequency=f32(rows),
+                                    repetition=f32(rows),
+                                    wants_logprobs=jax.ShapeDtypeStruct((rows,), jnp.bool_,
+                                                                        sharding=sh)),
+            max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
+            history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
+
+    def program_inputs(self, kind: str, tokens: int, rows: int) -> tuple[jax.stages.Wrapped,
+                                                                           list]:
+        """The jitted function of a program and its abstract arguments (what `lower` takes)."""
+        inputs = self._input_shapes(tokens, rows)
+        if kind == "step":
+            return self._jitted["step"], [self.state, self.caches, inputs]
+        steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return self._jitted["decode"], [self.state, self.caches, inputs, steps]
+
+    def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
+        """The compiled program of a bucket, compiling it if warm-up did not (counted; with
+        `strict_compile` a `CompileAfterWarmupError`)."""
+        key = (kind, tokens, rows)
+        if key not in self._compiled:
+            if self.warmed_up:
+                if self.config.strict_compile:
+                    raise CompileAfterWarmupError(
+                        f"program {key} was not compiled at warm-up (strict_compile=True)")
+                self.compiles_after_warmup += 1
+            jitted, args = self.program_inputs(kind, tokens, rows)
+            self._compiled[key] = jitted.lower(*args).compile()
+        return self._compiled[key]
+
+    def bucket_programs(self) -> list[tuple[str, int, int]]:
+        """Every program the bucket ladders can ask for."""
+        cfg = self.config
+        keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
+        if cfg.num_decode_steps > 1:
+            keys += [("decode", s, s) for s in cfg.seq_buckets]
+        return keys
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every bucket's program (from the persistent cache when it has them)."""
+        for key in tqdm(self.bucket_programs(), desc="Compiling buckets", unit="program",
+                        disable=not progress):
+            self.program(*key)
+        self.warmed_up = True
+
+    # ---- running ------------------------------------------------------------------------
+    def empty_input(self, tokens: int, rows: int) -> StepInput:
+        """A zero `StepInput` of a bucket's shape (what a multi-host follower receives into)."""
+        return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                            self._input_shapes(tokens, rows))
+
+    def _place(self, tree):
+        """Host numpy → arrays replicated on the mesh; every process passes the same values
+        and builds only its own devices' copies."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, self.replicated)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            a.shape, self.replicated, lambda index: a[index]), tree)
+
+    def launch_step(self, inp: StepInput) -> SampleResult:
+        """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
+        program = self.program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
+        result, self.caches = program(self.state, self.caches, self._place(inp))
+        return result
+
+    def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
+        """Dispatch up to `num_steps` decode steps; returns device arrays: samples (fields
+        `[S, K, ...]`) and how many each row produced `[S]`."""
+        rows = inp.kv_lens.shape[0]
+        program = self.program("decode", rows, rows)
+        placed, steps = self._place((inp, np.int32(num_steps)))
+        out, count, self.caches = program(self.state, self.caches, placed, steps)
+        return out, count
+
+    def step(self, inp: StepInput) -> SampleResult:
+        """One forward; returns what every row sampled (numpy, fields `[S, ...]`)."""
+        return jax.device_get(self.launch_step(inp))
+
+    def decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, np.ndarray]:
+        """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`) and how many
+        each row produced `[S]`."""
+        return jax.device_get(self.launch_decode(inp, num_steps))

@@ -1,0 +1,235 @@
+"""First-come-first-served scheduler with chunked prefill and preemption (plain Python).
+
+The scheduler owns the books: every sequence's status, pages and token counts change here
+only — in `schedule()` before a step and in `postprocess()` after it (tokens appended, stop
+tokens and length checked, full pages keyed for the prefix cache, finished sequences'
+pages freed), plus `abort()` and `stop_early()` (a stop string, found in the text).
+
+Each step fills a token budget (`max_num_batched_tokens`): first one decode token for every
+running sequence (or the next chunk of one still prefilling), then prefill chunks of waiting
+sequences in arrival order, so a long prompt never stalls running streams. When pages run
+out it preempts the newest running sequence (frees its pages; it recomputes later) instead of
+failing. When a step holds only decode tokens, it asks for several decode steps at once
+(`num_decode_steps`), with pages reserved for all of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at `seq.num_computed_tokens`, run this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's newest token, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    num_decode_steps: int = 1  # > 1: every chunk is one decode token; run the decode loop
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclasses.dataclass
+class SequenceUpdate:
+    """What one step did to one sequence: the tokens it gained (row `row` of the step's
+    results) and, if the step finished it, why."""
+
+    seq: Sequence
+    row: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every sequence's pages."""
+
+    def __init__(self, config: EngineConfig, allocator: PageAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is and free its pages; returns it if found."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished and release its pages (cached pages stay in the LRU)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.times.finished = time.monotonic()
+
+    # ---- after a step -------------------------------------------------------------------
+    def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
+                    fed: list[int]) -> list[SequenceUpdate]:
+        """Book-keep a step that ran: chunk i computed `fed[i]` tokens and sampled
+        `sampled[i]` (in order). Tokens are appended up to the first stop token or the length
+        limit, which finish the sequence; full pages are keyed for the prefix cache. Returns
+        an update for every sequence that gained tokens."""
+        now = time.monotonic()
+        updates = []
+        for row, (chunk, tokens, count) in enumerate(zip(plan.chunks, sampled, fed)):
+            seq = chunk.seq
+            seq.num_computed_tokens += count
+            kept, reason = [], None
+            for token in tokens:
+                kept.append(token)
+                if token in seq.stop_token_ids:
+                    reason = "stop"
+                elif len(seq.output_token_ids) + len(kept) >= seq.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            seq.output_token_ids.extend(kept)
+            seq.times.tokens_arrived(len(kept), now)
+            # Key full pages only once their tokens are appended (a decode loop computes
+            # tokens it also returns), and never past the tokens kept after a stop.
+            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
+                                               min(seq.num_computed_tokens, seq.num_tokens))
+            if reason is not None:
+                self._finish(seq, reason)
+            if kept:
+                updates.append(SequenceUpdate(seq, row, kept, reason))
+        return updates
+
+    def stop_early(self, update: SequenceUpdate, keep: int) -> None:
+        """A stop string ended `update`'s sequence at its `keep`-th new token: drop the tokens
+        after it and finish the sequence (reason "stop")."""
+        seq = update.seq
+        del seq.output_token_ids[len(seq.output_token_ids) - len(update.new_token_ids) + keep:]
+        update.new_token_ids = update.new_token_ids[:keep]
+        update.finish_reason = "stop"
+        if seq.status is Status.FINISHED:
+            seq.finish_reason = "stop"
+        else:
+            self._finish(seq, "stop")
+
+    def stats(self) -> dict[str, int]:
+        """Queue lengths and preemptions, for the engine's `stats()`."""
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions}
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(chunks=[])
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            count = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(seq, seq.num_computed_tokens + count, out):
+                continue
+            out.chunks.append(ScheduledChunk(seq, count))
+            budget -= count
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        if out.chunks and all(c.seq.is_decoding for c in out.chunks):
+            out.num_decode_steps = self._decode_steps(out)
+        now = time.monotonic()
+        for chunk in out.chunks:
+            if chunk.seq.times.first_scheduled is None:
+                chunk.seq.times.first_scheduled = now
+        return out
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids)
+                seq.num_computed_tokens = len(seq.pages) * self.config.page_size
+                if not seq.output_token_ids:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            count = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + count):
+                self._release(seq)  # give back the prefix pages; try again next step
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, count))
+            budget -= count
+        return budget
+
+    def _decode_steps(self, out: SchedulerOutput) -> int:
+        """As many decode steps as configured if pages for all of them, for every sequence,
+        can be reserved (all or none, so a fallback to one step holds no extra pages)."""
+        steps = self.config.num_decode_steps
+        wanted = [min(c.seq.num_computed_tokens + steps, self.config.max_model_len)
+                  for c in out.chunks]
+        needed = sum(max(0, -(-n // self.config.page_size) - len(c.seq.pages))
+                     for c, n in zip(out.chunks, wanted))
+        if needed > self.allocator.num_free_pages:
+            return 1
+        for chunk, num_tokens in zip(out.chunks, wanted):
+            self._reserve(chunk.seq, num_tokens)
+        return steps
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s pages cover `num_tokens` tokens; False (nothing taken) if they can't."""
+        needed = -(-num_tokens // self.config.page_size) - len(seq.pages)
+        if needed <= 0:
+            return True
+        pages = self.allocator.allocate(needed)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _reserve_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Reserve pages for a running sequence, preempting the newest ones until it fits."""
+        while not self._reserve(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.chunks = [c for c in out.chunks if c.seq is not seq]
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages, seq.page_hashes, seq.num_computed_tokens = [], [], 0

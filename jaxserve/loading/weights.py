@@ -1,0 +1,295 @@
+"""Load Hugging Face safetensors weights into a `LlamaModel`.
+
+Reads `model.safetensors` or a sharded `model.safetensors.index.json` folder, one tensor at a
+time (memory-mapped), converts each from HF's `[out, in]` layout to the model's, casts it to
+the target dtype and places it on device(s), so the host holds about one tensor at a time
+beyond what the devices hold.
+
+With a mesh (`load_weights(..., mesh=mesh)`) each tensor goes straight to its shards:
+`jax.make_array_from_callback` asks for one device's slice at a time, which is cut from the
+host tensor and cast, so no device ever holds more than its shard and no full device copy of
+the model exists. `shard_model` applies the same rules to a model already on device
+(gpt-fast style: the model is built mesh-agnostic, sharding comes after). When
+tensor_parallel_size exceeds the kv heads, both repeat k/v heads as
+`sharding.kv_head_repeats` describes, and the model's config reports the stored head count.
+
+Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor; pickle
+checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+import sharding
+from jaxserve.model.config import ModelConfig
+from jaxserve.model import LlamaModel
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# place(array, model_path) -> jax.Array: puts a converted host tensor on device(s).
+Placer = Callable[[np.ndarray, tuple], jax.Array]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model folder, in index order; refuses pickle-only folders."""
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"model.safetensors.index.json lists missing file(s) {missing}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"model folder {str(model_dir)!r} holds only pickle weights {pickles}; jaxserve "
+            "loads safetensors only (pickle can execute code). Convert with "
+            "transformers: model.save_pretrained(dir, safe_serialization=True)")
+    raise ValueError(f"model folder {str(model_dir)!r} has no *.safetensors weights")
+
+
+def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable, tuple]]:
+    """HF tensor name → (model path, HF→model transform, expected HF shape) for layer i."""
+    e, hq, hkv, d, m = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size)
+    hf = f"model.layers.{i}."
+    ours = ("layers", i)
+
+    def heads_in(h):  # [h*D, E] → [E, h, D]
+        return lambda w: w.T.reshape(e, h, d)
+
+    entries = {
+        hf + "self_attn.q_proj.weight": (ours + ("attn", "q_proj"), heads_in(hq), (hq * d, e)),
+        hf + "self_attn.k_proj.weight": (ours + ("attn", "k_proj"), heads_in(hkv), (hkv * d, e)),
+        hf + "self_attn.v_proj.weight": (ours + ("attn", "v_proj"), heads_in(hkv), (hkv * d, e)),
+        hf + "self_attn.o_proj.weight": (ours + ("attn", "o_proj"),
+                                         lambda w: w.T.reshape(hq, d, e), (e, hq * d)),
+        hf + "mlp.gate_proj.weight": (ours + ("mlp", "gate_proj"), np.transpose, (m, e)),
+        hf + "mlp.up_proj.weight": (ours + ("mlp", "up_proj"), np.transpose, (m, e)),
+        hf + "mlp.down_proj.weight": (ours + ("mlp", "down_proj"), np.transpose, (e, m)),
+        hf + "input_layernorm.weight": (ours + ("input_norm", "weight"), None, (e,)),
+        hf + "post_attention_layernorm.weight": (ours + ("post_attention_norm", "weight"),
+                                                 None, (e,)),
+    }
+    if cfg.qkv_bias:
+        for name, h in (("q", hq), ("k", hkv), ("v", hkv)):
+            entries[hf + f"self_attn.{name}_proj.bias"] = (
+                ours + ("attn", f"{name}_bias"), lambda w, h=h: w.reshape(h, d), (h * d,))
+    if cfg.o_bias:
+        entries[hf + "self_attn.o_proj.bias"] = (ours + ("attn", "o_bias"), None, (e,))
+    if cfg.mlp_bias:
+        for name, size in (("gate", m), ("up", m), ("down", e)):
+            entries[hf + f"mlp.{name}_proj.bias"] = (ours + ("mlp", f"{name}_bias"), None, (size,))
+    if cfg.qk_norm:
+        entries[hf + "self_attn.q_norm.weight"] = (ours + ("attn", "q_norm", "weight"), None, (d,))
+        entries[hf + "self_attn.k_norm.weight"] = (ours + ("attn", "k_norm", "weight"), None, (d,))
+    return entries
+
+
+def hf_tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable | None, tuple]]:
+    """Every HF tensor name the model needs → (model path, transform, expected HF shape)."""
+    v, e = cfg.vocab_size, cfg.hidden_size
+    entries = {
+        "model.embed_tokens.weight": (("embed",), None, (v, e)),
+        "model.norm.weight": (("final_norm", "weight"), None, (e,)),
+    }
+    if not cfg.tie_word_embeddings:
+        entries["lm_head.weight"] = (("lm_head",), np.transpose, (v, e))
+    for i in range(cfg.num_layers):
+        entries.update(_layer_entries(cfg, i))
+    return entries
+
+
+def _default_placer(dtype) -> Placer:
+    return lambda array, path: jax.device_put(jnp.asarray(array, dtype=dtype))
+
+
+def sharded_config(cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, int]:
+    """The config of the model as stored on `mesh` (kv heads repeated when tp > Hkv), and
+    the repeat count."""
+    repeats = sharding.kv_head_repeats(cfg.num_kv_heads, cfg.num_heads,
+                                       sharding.tensor_parallel_size(mesh))
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeats), repeats
+
+
+def abstract_model(cfg: ModelConfig, dtype, scan_layers: bool = False) -> LlamaModel:
+    """The model's structure, shapes and `logical_axes`, with no memory allocated."""
+    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0),
+                                             scan_layers=scan_layers))
+
+
+def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh,
+                           scan_layers: bool = False) -> LlamaModel:
+    """The model as the engine would hold it on `mesh`, every parameter a
+    `jax.ShapeDtypeStruct` carrying its sharding (no memory anywhere): what `jaxserve plan`
+    compiles against. `cfg` is the checkpoint's own config."""
+    stored, _ = sharded_config(cfg, mesh)
+    shardings = param_shardings(stored, dtype, mesh, scan_layers)
+    graphdef, state = nnx.split(abstract_model(stored, dtype, scan_layers))
+    variables = dict(nnx.to_flat_state(state))
+    for path, var in variables.items():
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path]))
+    return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
+def param_shardings(cfg: ModelConfig, dtype, mesh: Mesh,
+                    scan_layers: bool = False) -> dict[tuple, NamedSharding]:
+    """Model path → NamedSharding of every parameter of a model with config `cfg` (as
+    stored on the mesh, see `sharded_config`)."""
+    _, state = nnx.split(abstract_model(cfg, dtype, scan_layers))
+    return {path: sharding.named_sharding(var.get_metadata()["logical_axes"],
+                                          var.get_value().shape, mesh)
+            for path, var in nnx.to_flat_state(state)}
+
+
+def stack_layers(model: LlamaModel) -> LlamaModel:
+    """`model` (list layout, on device) in the stacked layout of `scan_layers=True`.
+
+    Each stacked parameter is allocated once with the layer's sharding plus a replicated
+    "layers" axis and filled in place one layer at a time; each per-layer array is deleted as
+    soon as it is copied, so `model` is consumed and the transient cost is one stacked
+    parameter, not a second copy of the model."""
+    if model.scan_layers:
+        return model
+    cfg, dtype = model.config, model.embed.get_value().dtype
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, scan_layers=True))
+    stacked = dict(nnx.to_flat_state(state))
+    per_layer = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    write = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(
+        stack, layer, i, 0), donate_argnums=0)
+    for path, var in stacked.items():
+        if path[0] != "layers":
+            var.set_value(per_layer.pop(path))
+            continue
+        first = per_layer[("layers", 0, *path[1:])]
+        shape = var.get_value().shape
+        stacked_sharding = sharding.named_sharding(var.get_metadata()["logical_axes"], shape,
+                                                   first.sharding.mesh)
+        buffer = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype),
+                         out_shardings=stacked_sharding)()
+        for i in range(cfg.num_layers):
+            layer = per_layer.pop(("layers", i, *path[1:]))
+            buffer = write(buffer, layer, jnp.int32(i))
+            layer.delete()
+        var.set_value(buffer)
+    return nnx.merge(graphdef, nnx.from_flat_state(stacked))
+
+
+def kv_axis(path: tuple) -> int | None:
+    """The kv-heads axis of a parameter (k/v projections and biases), else None."""
+    name = path[-1]
+    if name in ("k_proj", "v_proj"):
+        return 1  # [E, Hkv, D]
+    if name in ("k_bias", "v_bias"):
+        return 0  # [Hkv, D]
+    return None
+
+
+def _repeated_slice(array: np.ndarray, index: tuple[slice, ...], axis: int | None,
+                    repeats: int) -> np.ndarray:
+    """`np.repeat(array, repeats, axis)[index]` without building the repeated array."""
+    if axis is None or repeats == 1:
+        return array[index]
+    heads = np.arange(array.shape[axis] * repeats)[index[axis]] // repeats
+    return np.take(array, heads, axis=axis)[index[:axis] + (slice(None),) + index[axis + 1:]]
+
+
+def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
+    """A `Placer` that builds each parameter shard by shard on `mesh` (kv heads repeated as
+    `sharded_config` says); `cfg` is the checkpoint's own config."""
+    stored, repeats = sharded_config(cfg, mesh)
+    shardings = param_shardings(stored, dtype, mesh)
+    np_dtype = jnp.dtype(dtype)
+
+    def place(array: np.ndarray, path: tuple) -> jax.Array:
+        axis = kv_axis(path)
+        shape = list(array.shape)
+        if axis is not None:
+            shape[axis] *= repeats
+        return sharding.shard_loader(
+            lambda index: _repeated_slice(array, index, axis, repeats).astype(np_dtype),
+            tuple(shape), shardings[path])
+
+    return place
+
+
+def shard_model(model: LlamaModel, mesh: Mesh) -> LlamaModel:
+    """`model` with every parameter placed on `mesh` by the partition rules (a no-op for a
+    model already loaded onto that mesh); kv heads are repeated if tp needs it."""
+    stored, repeats = sharded_config(model.config, mesh)
+    dtype = model.embed[...].dtype
+    shardings = param_shardings(stored, dtype, mesh)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    for path, var in variables.items():
+        value, axis = var.get_value(), kv_axis(path)
+        if axis is not None and repeats > 1:
+            value = jnp.repeat(value, repeats, axis=axis)
+        variables[path] = var.replace(jax.device_put(value, shardings[path]))  # new Variable
+    sharded = nnx.merge(graphdef, nnx.from_flat_state(variables))
+    sharded.config = stored
+    return sharded
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
+                 place: Placer | None = None, progress: bool = True,
+                 mesh: Mesh | None = None) -> LlamaModel:
+    """Build a `LlamaModel` whose parameters come from the folder's safetensors files.
+
+    `place` decides where each converted tensor goes (default: the default device, cast to
+    `dtype`); with `mesh`, each device receives only its shard (`sharded_placer`) and the
+    model's config is the one stored on the mesh (`sharded_config`).
+    """
+    model_cfg = cfg
+    if mesh is not None:
+        place = sharded_placer(cfg, dtype, mesh)
+        model_cfg, _ = sharded_config(cfg, mesh)
+    place = place or _default_placer(dtype)
+    model = abstract_model(model_cfg, dtype)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    expected = hf_tensor_map(cfg)
+    files = safetensors_files(model_dir)
+    seen: set[str] = set()
+    with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
+              disable=not progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="numpy") as reader:
+                for name in reader.keys():
+                    if name not in expected:
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue  # some exporters keep the tied copy; the embedding is used
+                        raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                    path, transform, hf_shape = expected[name]
+                    array = reader.get_tensor(name)
+                    if tuple(array.shape) != hf_shape:
+                        raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, "
+                                         f"expected {hf_shape} from config.json")
+                    if transform is not None:
+                        array = transform(array)
+                    variables[path].set_value(place(array, path))
+                    seen.add(name)
+                    bar.update(1)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5])
+        raise ValueError(f"model folder {str(model_dir)!r} is missing tensor(s) {shown}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return nnx.merge(graphdef, nnx.from_flat_state(variables))

@@ -1,0 +1,197 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+Supports the Llama family as `transformers` writes it: `model_type` llama, mistral, qwen2 and
+qwen3. Rope settings are read both from the top level (transformers 4.x: `rope_theta`,
+`rope_scaling`) and from `rope_parameters` (transformers 5.x). Anything this runtime cannot
+run faithfully is a `ValueError` naming the setting: a silently wrong model is worse than none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16")  # what the engine computes in
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings; `rope_type` "llama3" uses the four scaling fields."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, independent of where it was read from."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None  # `torch_dtype`/`dtype` as saved, used by dtype="auto"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _read_rope(hf: dict[str, Any]) -> RopeConfig:
+    """Rope settings from either layout: 5.x `rope_parameters` or 4.x top-level fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy_scaling = hf.get("rope_scaling") or {}
+    if not params:
+        params = dict(legacy_scaling)
+        if "rope_theta" in hf:
+            params["rope_theta"] = hf["rope_theta"]
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in params:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs a 'factor'")
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    missing = [k for k in ("low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if k not in params]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'llama3' is missing {missing}")
+    return RopeConfig(
+        theta=theta, rope_type="llama3", factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def eos_token_ids(model_dir: Path, config_ids, tokenizer_eos_id: int | None) -> set[int]:
+    """End-of-sequence ids from config.json (`config_ids`), generation_config.json and the
+    tokenizer."""
+    ids = set(config_ids)
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        ids.update(_eos_ids(json.loads(gen_path.read_text()).get("eos_token_id")))
+    if tokenizer_eos_id is not None:
+        ids.add(tokenizer_eos_id)
+    return ids
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
+    """The dtype the engine runs in: "float32" or "bfloat16"; "auto" keeps a bfloat16/float32
+    checkpoint's dtype and runs float16 ones in bfloat16."""
+    if dtype == "auto":
+        dtype = "float32" if checkpoint_dtype == "float32" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")
+    return jnp.dtype(dtype)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Translate a parsed Hugging Face `config.json` into a `ModelConfig`."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"]
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"config.json is missing required field(s) {missing}")
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    attention_bias = bool(hf.get("attention_bias", False))
+    # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
+    qkv_bias = True if model_type == "qwen2" else attention_bias
+    o_bias = attention_bias if model_type in ("llama", "qwen3") else False
+    sliding_window = None
+    if model_type == "mistral":
+        sliding_window = hf.get("sliding_window")
+    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True (Qwen per-layer sliding window) is not supported")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_read_rope(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=sliding_window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json`; errors name the folder and the bad field."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model folder {str(model_dir)!r} has no config.json")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config.json in {str(model_dir)!r} is not valid JSON: {err}") from err
+    return config_from_hf(hf)

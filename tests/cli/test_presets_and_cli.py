@@ -1,0 +1,89 @@
+"""Deployment presets and the command line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.cli.main import build_parser, resolve_model_settings
+from jaxserve.engine.config import EngineConfig
+from jaxserve.presets import CPU_PRESET, engine_settings, load_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "tpu_configs").glob("*.toml")) + sorted(
+    (ROOT / "gpu_configs").glob("*.toml")) + [CPU_PRESET]
+EXPECTED = {"v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-8", "v5p-8", "h100-1", "h100-8",
+            "h200-1", "a100-80g-1", "cpu"}
+
+
+def test_every_expected_preset_exists():
+    assert {p.stem for p in PRESETS} == EXPECTED
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_preset_is_valid_for_its_hardware(path):
+    preset = load_preset(path)
+    options = preset.engine_options
+    mesh = options["tensor_parallel_size"] * options["data_parallel_size"]
+    assert preset.devices % mesh == 0
+    assert preset.platform == {"tpu_configs": "tpu", "gpu_configs": "gpu"}.get(
+        path.parent.name, "cpu")
+    assert preset.dtype in ("bfloat16", "float32")
+    EngineConfig(**options)  # every value is one the engine accepts
+    assert path.read_text().lstrip().startswith("#"), "say why these values"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[hardware]\nplatform = 'tpu'\ndevices = 8\n[mesh]\ntensor_parallel_size = 3\n",
+     "does not divide"),
+    ("[hardware]\nplatform = 'tpu'\ndevices = 8\n[batching]\nmax_num_seq = 3\n",
+     "unknown field batching.max_num_seq"),
+    ("[hardware]\nplatform = 'tpu'\ndevices = 8\n[gpu]\nx = 1\n", "unknown section"),
+    ("[hardware]\nplatform = 'npu'\ndevices = 8\n", "hardware.platform"),
+    ("[hardware]\nplatform = 'tpu'\ndevices = 8\n[kv_cache]\npage_size = '16'\n",
+     "kv_cache.page_size has the wrong type"),
+    ("[hardware\n", "invalid TOML"),
+])
+def test_bad_preset_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_preset(path)
+
+
+def test_flags_override_the_preset_and_re_derive_its_ladders(tmp_path):
+    preset = ROOT / "gpu_configs" / "h200-1.toml"
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--config", str(preset),
+                                      "--max-num-seqs", "7", "--dtype", "float32"])
+    model, dtype, flags = resolve_model_settings(args)
+    assert (model, dtype, flags) == (str(tmp_path), "float32", {"max_num_seqs": 7})
+    preset_dtype, options = engine_settings(args.config, "gpu", flags)
+    ladder = load_preset(preset).engine_options["seq_buckets"]
+    assert options["max_num_seqs"] == 7 and options["page_size"] == 32
+    assert options["seq_buckets"] == tuple(r for r in ladder if r < 7) + (7,)
+    EngineConfig(**options)  # the re-derived ladders are valid
+
+
+def test_llm_defaults_to_the_cpu_preset_and_flags_re_derive_its_ladders():
+    """On CPU `LLM(model)` takes cpu.toml; a smaller max_num_seqs re-derives seq_buckets."""
+    dtype, options = engine_settings(None, "cpu", {})
+    assert dtype == "float32" and options == load_preset(CPU_PRESET).engine_options
+    _, options = engine_settings(None, "cpu", {"max_num_seqs": 4, "max_num_batched_tokens": 64})
+    assert options["seq_buckets"] == (1, 4) and options["token_buckets"] == (32, 64)
+    assert engine_settings(None, "tpu", {"max_num_seqs": 4}) == (None, {"max_num_seqs": 4})
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"],
+                                  ["convert", "--help"], ["bench", "serve", "--help"],
+                                  ["bench", "offline", "--help"]])
+def test_help_everywhere(argv):
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "usage: jaxserve" in out.stdout
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "--version"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("jaxserve ")

@@ -1,0 +1,99 @@
+"""On-device sampling against hand-computed distributions."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.engine.batcher import SamplingArrays
+from jaxserve.engine.sampler import sample
+from jaxserve.sampling_params import SamplingParams
+
+# Row logits whose softmax is [0.5, 0.25, 0.125, 0.0625, 0.0625].
+LOGITS = np.log(np.array([0.5, 0.25, 0.125, 0.0625, 0.0625], np.float32))
+DRAWS = 4000
+
+
+def _frequencies(params: SamplingParams) -> np.ndarray:
+    """Empirical token frequencies over DRAWS positions of one seeded request."""
+    arrays = SamplingArrays.from_params([params] * DRAWS, [params.seed or 0] * DRAWS, DRAWS)
+    logits = np.tile(LOGITS, (DRAWS, 1))
+    tokens = jax.jit(sample)(logits, arrays, np.arange(DRAWS, dtype=np.int32))
+    return np.bincount(np.asarray(tokens), minlength=5) / DRAWS
+
+
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(temperature=1.0, seed=1), [0.5, 0.25, 0.125, 0.0625, 0.0625]),
+    (SamplingParams(temperature=1.0, top_k=2, seed=2), [2 / 3, 1 / 3, 0, 0, 0]),
+    # top_p 0.7: 0.5 then 0.25 reaches 0.75 >= 0.7, so two tokens stay.
+    (SamplingParams(temperature=1.0, top_p=0.7, seed=3), [2 / 3, 1 / 3, 0, 0, 0]),
+    # min_p 0.2: keep probabilities >= 0.1, i.e. the first three.
+    (SamplingParams(temperature=1.0, min_p=0.2, seed=4), [4 / 7, 2 / 7, 1 / 7, 0, 0]),
+    # temperature 0.5 squares the probabilities: [16, 4, 1, 1/4, 1/4] / 21.5.
+    (SamplingParams(temperature=0.5, seed=5), np.array([16, 4, 1, 0.25, 0.25]) / 21.5),
+    (SamplingParams(temperature=0.0), [1, 0, 0, 0, 0]),
+])
+def test_distribution_matches_hand_computed(params, expected):
+    freq = _frequencies(params)
+    assert np.abs(freq - np.asarray(expected)).max() < 0.03, freq
+
+
+def test_greedy_and_top_k_1_rows_beside_a_sampled_row():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0, top_k=1, seed=8)]
+    logits = np.tile(LOGITS[::-1], (4, 1))  # argmax is token 4 in every row
+    arrays = SamplingArrays.from_params(params, [0, 7, 8], 4)
+    tokens = np.asarray(jax.jit(sample)(logits, arrays, np.full(4, 11, np.int32)))
+    assert tokens[0] == 4 and tokens[2] == 4 and tokens[3] == 4  # row 3: greedy padding
+
+
+POSITIONS = 64
+
+
+def _seeded_run(seed: int) -> np.ndarray:
+    """Tokens of one seeded request at positions 0..POSITIONS-1, one row per position."""
+    params = SamplingParams(temperature=1.0, seed=seed)
+    arrays = SamplingArrays.from_params([params] * POSITIONS, [seed] * POSITIONS, POSITIONS)
+    logits = np.tile(LOGITS, (POSITIONS, 1))
+    return np.asarray(jax.jit(sample)(logits, arrays, np.arange(POSITIONS, dtype=np.int32)))
+
+
+def test_seeded_tokens_do_not_depend_on_the_rest_of_the_batch():
+    alone = _seeded_run(7)
+    assert len(set(alone.tolist())) > 1  # really sampled, not greedy
+    # The same request (seed 7, same positions, same logits) at other row indices of a
+    # larger batch, in reverse position order, between unrelated rows: other seeds and
+    # settings, other logits, other positions.
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=8),
+              SamplingParams(temperature=0.5, top_k=3, seed=9)]
+    rows, seeds, logits, positions = [], [], [], []
+    for i, pos in enumerate(range(POSITIONS - 1, -1, -1)):
+        other = others[i % 3]
+        rows += [other, SamplingParams(temperature=1.0, seed=7)]
+        seeds += [other.seed or 0, 7]
+        logits += [LOGITS[::-1], LOGITS]
+        positions += [pos + 100, pos]
+    arrays = SamplingArrays.from_params(rows, seeds, len(rows) + 3)  # 3 padding rows
+    logits = np.concatenate([np.stack(logits), np.tile(LOGITS, (3, 1))])
+    positions = np.asarray(positions + [0, 0, 0], np.int32)
+    batched = np.asarray(jax.jit(sample)(logits, arrays, positions))
+    np.testing.assert_array_equal(batched[1:2 * POSITIONS:2][::-1], alone)
+
+
+def test_different_seeds_give_different_tokens():
+    runs = [_seeded_run(seed) for seed in (7, 8, 2**31 + 7)]
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert not np.array_equal(runs[a], runs[b]), (a, b)
+    # A seed is taken mod 2**32, so 7 and 2**32 + 7 are the same seed.
+    np.testing.assert_array_equal(_seeded_run(2**32 + 7), runs[0])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
+    ("max_tokens", 0), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", ["a"]),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("logprobs", 21),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

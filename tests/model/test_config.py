@@ -1,0 +1,79 @@
+"""Reading Hugging Face config.json: both rope layouts, architecture flags, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.model.config import config_from_hf, load_config
+from jaxserve.model.rope import inverse_frequencies
+
+BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def test_defaults_and_derived_head_dim():
+    cfg = config_from_hf(BASE)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope.theta) == (16, 2, 10000.0)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.tie_word_embeddings)
+
+
+def test_rope_layouts_of_transformers_4_and_5_agree():
+    legacy = config_from_hf({**BASE, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING})
+    modern = config_from_hf({**BASE, "rope_parameters": {**LLAMA3_SCALING,
+                                                        "rope_theta": 500000.0}})
+    assert legacy == modern
+    assert modern.rope.rope_type == "llama3" and modern.rope.theta == 500000.0
+
+
+def test_llama3_frequencies_hand_computed():
+    """Wavelengths above 8192/1 are divided by 8; below 8192/4 kept; between, blended."""
+    cfg = config_from_hf({**BASE, "rope_parameters": {**LLAMA3_SCALING, "rope_theta": 500000.0}})
+    plain = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    scaled = inverse_frequencies(cfg.rope, 16)
+    wavelen = 2 * np.pi / plain
+    assert np.allclose(scaled[wavelen < 2048], plain[wavelen < 2048])
+    assert np.allclose(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)
+    middle = (wavelen >= 2048) & (wavelen <= 8192)
+    smooth = (8192 / wavelen[middle] - 1) / 3
+    assert np.allclose(scaled[middle], (1 - smooth) * plain[middle] / 8 + smooth * plain[middle])
+
+
+def test_architecture_flags():
+    assert config_from_hf({**BASE, "model_type": "qwen2"}).qkv_bias
+    assert not config_from_hf({**BASE, "model_type": "qwen2"}).o_bias
+    qwen3 = config_from_hf({**BASE, "model_type": "qwen3", "head_dim": 32})
+    assert qwen3.qk_norm and qwen3.head_dim == 32
+    llama = config_from_hf({**BASE, "attention_bias": True, "tie_word_embeddings": True})
+    assert llama.qkv_bias and llama.o_bias and llama.tie_word_embeddings
+    assert config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096}
+                          ).sliding_window == 4096
+    assert config_from_hf({**BASE, "eos_token_id": [7, 9]}).eos_token_ids == (7, 9)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"vocab_size": 0}, "vocab_size"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+])
+def test_unsupported_settings_name_the_setting(change, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**BASE, **change})
+
+
+def test_missing_field_and_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        config_from_hf({k: v for k, v in BASE.items() if k != "num_hidden_layers"})
+    with pytest.raises(ValueError, match="no config.json"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert load_config(tmp_path).num_layers == 2

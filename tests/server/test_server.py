@@ -1,0 +1,260 @@
+"""The HTTP server against real clients: the official `openai` package, raw HTTP for bad
+input, the serving benchmark for load, Prometheus' parser for /metrics."""
+
+import argparse
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.bench.serve_bench import run_benchmark
+from jaxserve.server.state import ServerOptions, ServerState
+from server_helpers import ThreadedServer, wait_until
+from tiny_models import SMALL_ENGINE, build_model
+
+ENGINE = {**SMALL_ENGINE, "max_num_seqs": 8, "num_pages": 96}
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    build_model("llama", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    state = ServerState(ServerOptions(model=str(folder), served_model_name=[NAME],
+                                      dtype="float32", engine_options=ENGINE))
+    running = ThreadedServer(state).start()
+    running.wait_ready()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return LLM(str(folder), dtype="float32", progress=False, **ENGINE)
+
+
+def test_completions_equal_llm_generate(client, reference):
+    out = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    expected = reference.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == len(reference.tokenizer.encode("Once upon a time"))
+
+
+def test_streaming_completion_adds_up_with_usage(client):
+    kwargs = dict(model=NAME, prompt="The fox", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming_and_not_equal_llm_chat(client, reference):
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=8,
+                                                       ignore_eos=True))[0].outputs[0].text
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=NAME, messages=messages,
+                                            max_completion_tokens=8, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_n_seed_and_logprobs(client):
+    out = client.completions.create(model=NAME, prompt="A", max_tokens=6, n=3, seed=5,
+                                    temperature=1.0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    again = client.completions.create(model=NAME, prompt="A", max_tokens=6, n=3, seed=5,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 6 and all(v <= 0 for v in logprobs.token_logprobs)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2)
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+def test_models_and_health(server):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+BAD_INPUTS = [
+    # (path, body, status, param)
+    ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "top_p": "high"}, 400, "top_p"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": list(range(2, 200))}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": [5, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "n": 99}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": [2**40]}, 400,
+     "stop_token_ids"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": [5000]}, 400,
+     "stop_token_ids"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"content": "no role"}]}, 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 50}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_INPUTS)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, path, body, status,
+                                                              param):
+    response = httpx.post(server.url + path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    ok = httpx.post(f"{server.url}/v1/completions",
+                    json={"model": NAME, "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_malformed_json_and_oversized_body(server):
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+    huge = httpx.post(f"{server.url}/v1/completions",
+                      json={"model": NAME, "prompt": "x" * (5 << 20)})
+    assert huge.status_code == 413 and "error" in huge.json()
+
+
+def test_api_key_and_queue_full(server):
+    state = server.state
+    state.api_key = "secret"
+    try:
+        denied = httpx.get(f"{server.url}/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        allowed = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer secret"})
+        assert allowed.status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200  # not behind the key
+    finally:
+        state.api_key = None
+    state.engine.max_waiting = 0
+    try:
+        full = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "x"})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        state.engine.max_waiting = 1024
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(server):
+    engine = server.state.llm.engine
+    body = {"model": NAME, "prompt": "stream me", "max_tokens": 100, "stream": True,
+            "ignore_eos": True}
+    aborted_before = engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
+    server.state.engine.on_step = lambda deltas: time.sleep(0.05)  # outlast the disconnect
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        wait_until(lambda: engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
+                   > aborted_before, 30, "request was not aborted")
+    finally:
+        server.state.engine.on_step = None
+    wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, 30,
+               "pages not freed")
+    wait_until(lambda: server.state.engine.num_in_flight == 0, 30, "request state leaked")
+
+
+def test_200_requests_at_32_concurrent_streams(server):
+    args = argparse.Namespace(url=server.url, model=NAME, api_key=None, num_prompts=200,
+                              request_rate=float("inf"), max_concurrency=32, input_len=12,
+                              input_len_std=4.0, output_len=6, seed=0, timeout=300.0,
+                              prompt_token_range=(2, 300),
+                              slo_ttft=None, slo_tpot=None, slo_e2e=None)
+    summary = asyncio.run(run_benchmark(args))
+    assert summary["completed"] == 200 and summary["failed"] == 0, summary["errors"]
+    assert summary["output_token_throughput"] > 0
+    engine = server.state.llm.engine
+    wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, 30,
+               "a finished request still holds pages")
+    assert server.state.engine.num_in_flight == 0
+
+
+def test_default_max_tokens_fits_the_room_left(server):
+    prompt = list(range(2, 2 + 128 - 5))  # max_model_len 128: room for 5 new tokens
+    out = httpx.post(f"{server.url}/v1/completions",
+                     json={"model": NAME, "prompt": prompt, "ignore_eos": True}).json()
+    assert out["usage"]["completion_tokens"] == 5
+
+
+def test_metrics_parse_and_counters_move(server):
+    def scrape():
+        text = httpx.get(f"{server.url}/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if not s.labels.get("finished_reason") or s.labels["finished_reason"] == "length"}
+
+    before = scrape()
+    httpx.post(f"{server.url}/v1/completions",
+               json={"model": NAME, "prompt": "count me", "max_tokens": 5, "ignore_eos": True})
+    after = scrape()
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 5
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 1
+    assert after["vllm:e2e_request_latency_seconds_count"] == (
+        before["vllm:e2e_request_latency_seconds_count"] + 1)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count",
+                 "jaxserve:compilations_after_warmup_total"):
+        assert name in after, name
+    assert after["jaxserve:compilations_after_warmup_total"] == 0
+
+
+def test_health_is_503_until_the_model_is_ready(folder):
+    release = threading.Event()
+
+    def slow_load(options):
+        release.wait(30)
+        return LLM(options.model, dtype="float32", progress=False, **ENGINE)
+
+    state = ServerState(ServerOptions(model=str(folder), engine_options=ENGINE), load=slow_load)
+    running = ThreadedServer(state).start()
+    try:
+        response = httpx.get(f"{running.url}/health")
+        assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
+        busy = httpx.post(f"{running.url}/v1/completions", json={"prompt": "x"})
+        assert busy.status_code == 503
+        release.set()
+        running.wait_ready()
+    finally:
+        release.set()
+        running.stop()
