@@ -1,17 +1,16 @@
 """Attention over the paged KV cache: one interface, three backends, chosen once.
 
-    make_backend(engine_config, model_config, mesh, num_pages, scan_layers, dtype, platform)
+    make_backend(engine_config, model_config, mesh, num_pages, scan_layers, platform)
 
 picks the backend from `EngineConfig.attention_backend`:
 - "pallas" (`pallas.py`): the Pallas kernels of `pallas_kernels` — Mosaic on TPU, Triton on
   GPU. What "auto" picks on TPU and GPU.
-- "cpu" (`cpu.py`, with `cpu_step.py` and `cpu_loop.py`): plain jnp shaped for XLA:CPU.
+- "cpu" (`cpu.py`, with `cpu_step.py`): plain jnp shaped for XLA:CPU.
   What "auto" picks on CPU; the only CPU-specific code in jaxserve.
 - "reference" (`reference.py`): the pure-jnp oracle the others are tested against.
 
-The runner builds a backend's `PagedAttention` for each traced step (`for_step`) and each
-decode-loop step (`loop_step`, between `begin_loop` and `end_loop`) and passes it to the model,
-which calls it once per layer: `attention(layer_index, q, k, v, layer_cache) -> (out,
+The runner builds a backend's `PagedAttention` for each traced step and each decode-loop step
+(`for_step`) and passes it to the model, which calls it once per layer: `attention(layer_index, q, k, v, layer_cache) -> (out,
 layer_cache)`. `backend.py` holds the interface and what every backend shares (stacked-layer
 page offsets, the `shard_map` over heads). `dense.py` is the attention of the dense reference
 generator (`jaxserve.model.dense_generation`), with a contiguous cache and no pages.
@@ -20,10 +19,7 @@ generator (`jaxserve.model.dense_generation`), with a contiguous cache and no pa
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
-
-import sharding
 
 from jaxserve.attention.backend import AttentionBackend, PagedAttention, PagedBatch
 from jaxserve.attention.cpu import CpuBackend
@@ -50,16 +46,10 @@ def backend_name(choice: str, platform: str) -> str:
 
 
 def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages: int,
-                 scan_layers: bool, dtype, platform: str | None = None) -> AttentionBackend:
+                 scan_layers: bool, platform: str | None = None) -> AttentionBackend:
     """The configured backend for a runner on `mesh`. `model` is the config as stored (kv
     heads maybe repeated); `platform`: where the programs will run (default: JAX's default
     backend)."""
     name = backend_name(config.attention_backend, platform or jax.default_backend())
-    common = dict(page_size=config.page_size, sliding_window=model.sliding_window, mesh=mesh,
-                  pages_per_layer=num_pages if scan_layers else None)
-    if name == "cpu":
-        local_kv_heads = model.num_kv_heads // sharding.tensor_parallel_size(mesh)
-        per_token = 2 * model.num_layers * local_kv_heads * model.head_dim
-        return CpuBackend(**common,
-                          context_bytes_per_token=per_token * jnp.dtype(dtype).itemsize)
-    return BACKENDS[name](**common)
+    return BACKENDS[name](page_size=config.page_size, sliding_window=model.sliding_window,
+                          mesh=mesh, pages_per_layer=num_pages if scan_layers else None)

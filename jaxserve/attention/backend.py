@@ -7,10 +7,8 @@ model's `AttentionFn`; every layer calls it with its q, k, v and layer cache. Th
 lives here: the stacked-layer page offsets and the `shard_map` over the "model" axis (each
 device attends its own heads; the kernels never see the mesh). A backend supplies
 - `step_metadata(batch)`: its per-step pytree, built once per step rather than per layer;
-- `attend(...)`: write this step's K/V into the pages and attend, on one device's heads;
-- optionally the decode-loop hooks: `begin_loop` / `end_loop` turn the cache into what the
-  loop carries and back, and `loop_step` builds each loop step's attention. By default the
-  loop carries the cache itself and each step is a one-token-per-row `for_step`.
+- `attend(...)`: write this step's K/V into the pages and attend, on one device's heads.
+The decode loop calls `for_step` once per loop step, with one token per row.
 """
 
 from __future__ import annotations
@@ -57,27 +55,10 @@ class AttentionBackend:
         return None
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata):
-        """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache starting
-        with `(k_pages, v_pages)` `[N, page_size, Hkv, D]`; `slots [T]` and `page_indices
-        [S, P]` already address this layer's pages → (out `[T, Hq, D]`, new layer cache)."""
+        """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
+        `(k_pages, v_pages)` `[N, page_size, Hkv, D]`; `slots [T]` and `page_indices [S, P]`
+        already address this layer's pages → (out `[T, Hq, D]`, new layer cache)."""
         raise NotImplementedError
-
-    def cache_head_axes(self, layer_cache) -> tuple[int, ...]:
-        """The kv-head axis of each array of a layer cache (pages: axis 2)."""
-        return (2,) * len(layer_cache)
-
-    # ---- decode-loop hooks ----------------------------------------------------------------
-    def begin_loop(self, caches, page_indices):
-        """The cache as the decode loop carries it (default: unchanged)."""
-        return caches
-
-    def loop_step(self, batch: PagedBatch) -> "PagedAttention":
-        """The attention of one decode-loop step (one token per row)."""
-        return self.for_step(batch)
-
-    def end_loop(self, caches):
-        """The loop's carried cache back to the KV cache (default: unchanged)."""
-        return caches
 
     # ---- common ---------------------------------------------------------------------------
     def for_step(self, batch: PagedBatch) -> "PagedAttention":
@@ -108,9 +89,8 @@ class PagedAttention:
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
         local = backend.attend
         if backend.mesh is not None:
-            cache_axes = backend.cache_head_axes(layer_cache)
-            #            q  k  v  layer cache  slots, page tables, batch, metadata (replicated)
-            head_dims = (1, 1, 1, cache_axes, None, None, None, None)
-            local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, cache_axes))
+            #            q  k  v  pages  slots, page tables, batch, metadata (replicated)
+            head_dims = (1, 1, 1, 2, None, None, None, None)
+            local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, (2, 2)))
         return local(q, k, v, tuple(layer_cache), slots, page_indices, self.batch,
                      self.metadata)  # out [T, Hq, D]

@@ -10,7 +10,7 @@ continuous batching needs far less, so attention here is split by what each row 
   such sequence, over only the window of queries that holds its tokens and only the pages
   its context fills;
 - decode rows (one token after cached context) attend to their pages, a few rows of alike
-  length at a time (the decode loop instead gathers its rows' context once: `cpu_loop`).
+  length at a time.
 The first two are joined with the log-sum-exp merge of an online softmax. Each part is
 skipped at run time when the step has no rows of its kind.
 

@@ -8,9 +8,8 @@ The programs (the first two take the weights, the donated KV cache and a `StepIn
   back per host round-trip.
 
 Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
-the runner hands it each step's `PagedBatch` and passes what it returns to the model; the
-decode loop lets it carry what it needs between steps (`begin_loop` / `end_loop`). The
-runner itself has no backend-specific code.
+the runner hands it each step's (and each decode-loop step's) `PagedBatch` and passes what it
+returns to the model. The runner itself has no backend-specific code.
 
 Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
 a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
@@ -73,7 +72,7 @@ class Runner:
         cache_sh = sharding.kv_cache_sharding(mesh)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
-                                      embed.dtype, platform)
+                                      platform)
         if isinstance(embed, jax.ShapeDtypeStruct):  # abstract: compile only
             self.caches = cache_structure(model.config, num_pages, config.page_size,
                                           embed.dtype, model.scan_layers, cache_sh)
@@ -128,7 +127,7 @@ class Runner:
             step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
-            attention = self.attention.loop_step(PagedBatch(
+            attention = self.attention.for_step(PagedBatch(
                 slots, jnp.where(valid, position + 1, 0), inp.page_indices, cu_q_lens,
                 inp.num_seqs))
             hidden, caches = model(current, position, caches, attention)  # [S, E]
@@ -143,10 +142,9 @@ class Runner:
             current = jnp.where(done, current, new)
             return step + 1, out, count, done | stopped, current, position, counts, caches
 
-        caches = self.attention.begin_loop(caches, inp.page_indices)
         carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
         _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
-        return out, count, self.attention.end_loop(caches)  # SampleResult of [S, K], [S]
+        return out, count, caches  # SampleResult of [S, K], counts [S]
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:

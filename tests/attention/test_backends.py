@@ -1,6 +1,6 @@
-"""Every attention backend, through the interface the runner uses (`for_step`, and
-`begin_loop` / `loop_step` / `end_loop` for the decode loop), against a numpy attention
-written out here from the definition, on hand-built pages and steps."""
+"""Every attention backend, through the interface the runner uses (`for_step`, for steps and
+decode-loop steps), against a numpy attention written out here from the definition, on
+hand-built pages and steps."""
 
 import jax
 import jax.numpy as jnp
@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 
 from jaxserve.attention import BACKENDS, PagedBatch
-from jaxserve.attention.cpu import CpuBackend
 
 PAGE, HKV, HQ, D = 16, 2, 4, 64  # the kernels take head_dim 64, 128 or 256
 
 
 def make_backend(name, sliding_window):
-    if name == "cpu":
-        return CpuBackend(PAGE, sliding_window, context_bytes_per_token=2 * HKV * D * 4)
     return BACKENDS[name](PAGE, sliding_window)
 
 
@@ -89,9 +86,9 @@ def test_a_step_of_every_kind_equals_numpy(name):
     ("cpu", None, 4), ("cpu", 8, 4), ("cpu", None, 1), ("pallas", 8, 4), ("reference", None, 4)])
 def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     """Six loop steps of three rows (one padding row), or of one row alone, whose tokens cross
-    a page edge, run as the runner runs them: `begin_loop` on the cache, one `loop_step`
-    attention per step, `end_loop` at the end. The pages from each row's start on hold
-    random values that the loop overwrites, so attending to a stale copy would show."""
+    a page edge, run as the runner runs them: one token per row, the pages carried from step
+    to step. The pages from each row's start on hold random values that the loop overwrites,
+    so attending to a stale copy would show."""
     rng = np.random.default_rng(1)
     page_indices = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 0, 0]],
                             np.int32)[:rows]
@@ -101,11 +98,11 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     cu = np.minimum(np.arange(rows + 1), num_seqs[0]).astype(np.int32)
     k_pages, v_pages = rng.normal(size=(2, 13, PAGE, HKV, D)).astype(np.float32)
     backend = make_backend(name, sliding_window)
-    caches = jax.jit(backend.begin_loop)([(k_pages, v_pages)], page_indices)
+    layer_cache = (k_pages, v_pages)
 
     @jax.jit
     def loop_step(batch, q, k_new, v_new, layer_cache):
-        return backend.loop_step(batch)(0, q, k_new, v_new, layer_cache)
+        return backend.for_step(batch)(0, q, k_new, v_new, layer_cache)
 
     for step in range(6):
         position = start + step  # [S] the token fed this step
@@ -115,14 +112,13 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
         q = rng.normal(size=(rows, HQ, D)).astype(np.float32)
         k_new, v_new = rng.normal(size=(2, rows, HKV, D)).astype(np.float32)
         batch = PagedBatch(slots, kv_lens, page_indices, cu, num_seqs)
-        out, layer_cache = loop_step(batch, q, k_new, v_new, caches[0])
-        caches = [layer_cache]
+        out, layer_cache = loop_step(batch, q, k_new, v_new, layer_cache)
         k_pages, v_pages = write(k_pages, k_new, slots), write(v_pages, v_new, slots)
         want = numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu, num_seqs[0],
                                sliding_window)
         np.testing.assert_allclose(np.asarray(out)[live], want[live], atol=2e-5,
                                    err_msg=f"step {step}")
-    [(k_final, v_final)] = backend.end_loop(caches)
+    k_final, v_final = layer_cache
     np.testing.assert_array_equal(np.asarray(k_final), k_pages)
     np.testing.assert_array_equal(np.asarray(v_final), v_pages)
 
