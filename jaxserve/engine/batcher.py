@@ -89,7 +89,7 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     """Pack the scheduled chunks, padded to (token bucket, sequence bucket)."""
     num_seqs = len(out.chunks)
     rows = bucket_for(config.seq_buckets, num_seqs)
-    if out.num_decode_steps > 1:
+    if out.decode_only:
         tokens = rows  # the decode loop feeds exactly one token per row
     else:
         tokens = bucket_for(config.token_buckets, max(out.num_tokens, rows))

@@ -221,7 +221,7 @@ class Engine:
                 inp = build_step_input(plan, self.config)
                 launched.append((replica, plan, inp, self._launch(replica.runner, plan, inp)))
         for replica, plan, inp, pending in launched:
-            if plan.num_decode_steps > 1:
+            if plan.decode_only:
                 result, produced = jax.device_get(pending)  # [S, K, ...], [S]
                 fed = produced = [int(n) for n in produced[:len(plan.chunks)]]
             else:
@@ -271,7 +271,7 @@ class Engine:
 
     def _launch(self, runner: Runner, plan: SchedulerOutput, inp: StepInput):
         """Dispatch the step's program (telling followers first in a multi-host run)."""
-        decode = plan.num_decode_steps > 1
+        decode = plan.decode_only
         if multihost.is_multiprocess():
             if self._stopped:
                 raise RuntimeError("engine was shut down; followers have left")

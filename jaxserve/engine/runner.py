@@ -3,9 +3,10 @@
 The programs (the first two take the weights, the donated KV cache and a `StepInput`):
 - "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
   decode tokens, K/V written into the cache, one token sampled per sequence.
-- "decode" (S): `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled
-  token back, with stop tokens and per-row limits checked on device, so several tokens come
-  back per host round-trip.
+- "decode" (S): every step whose chunks are all single decode tokens: up to
+  `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled token back,
+  with stop tokens and per-row limits checked on device, so several tokens can come back per
+  host round-trip. One token per row, never padded to a token bucket.
 
 Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
 the runner hands it each step's (and each decode-loop step's) `PagedBatch` and passes what it
@@ -193,8 +194,7 @@ class Runner:
         """Every program the bucket ladders can ask for."""
         cfg = self.config
         keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
-        if cfg.num_decode_steps > 1:
-            keys += [("decode", s, s) for s in cfg.seq_buckets]
+        keys += [("decode", s, s) for s in cfg.seq_buckets]
         return keys
 
     def warm_up(self, progress: bool = True) -> None:

@@ -40,7 +40,8 @@ class ScheduledChunk:
 @dataclasses.dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    num_decode_steps: int = 1  # > 1: every chunk is one decode token; run the decode loop
+    decode_only: bool = False  # every chunk is one decode token: run the decode program
+    num_decode_steps: int = 1  # decode steps that program runs (pages reserved for them)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
@@ -161,6 +162,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         if out.chunks and all(c.seq.is_decoding for c in out.chunks):
+            out.decode_only = True
             out.num_decode_steps = self._decode_steps(out)
         now = time.monotonic()
         for chunk in out.chunks:

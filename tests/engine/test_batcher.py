@@ -97,7 +97,8 @@ def test_decode_loop_step_has_one_token_per_row():
     a = make_seq("a", [11] * 5, output=[21], computed=5, pages=[4], max_new=4)
     b = make_seq("b", [12] * 17, output=[22], computed=17, pages=[6, 7], max_new=5)
     c = make_seq("c", [13] * 30, output=[23, 24, 25], computed=32, pages=[1, 2, 3], max_new=9)
-    out = SchedulerOutput([ScheduledChunk(s, 1) for s in (a, b, c)], num_decode_steps=4)
+    out = SchedulerOutput([ScheduledChunk(s, 1) for s in (a, b, c)], decode_only=True,
+                          num_decode_steps=4)
     step = build_step_input(out, CONFIG)
     # tokens == rows == 4 (sequence bucket), not the token bucket 16.
     np.testing.assert_array_equal(step.token_ids, [21, 22, 25, 0])
