@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.engine.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.sequence import PENDING
 
 MAX_DEVICE_STOP_IDS = 8  # stop ids checked on device per row; the host checks them all
 
@@ -63,6 +64,9 @@ class StepInput:
     """One step's inputs: a flat ragged batch of T tokens from S sequences."""
 
     token_ids: np.ndarray  # [T] int32
+    # [T] int32: -1, or the row of the previous step whose sampled token (still on device) this
+    # token is (a `PENDING` output; the program reads it from there)
+    token_source: np.ndarray
     positions: np.ndarray  # [T] int32
     slot_mapping: np.ndarray  # [T] int32, page * page_size + offset; -1 for padding
     kv_lens: np.ndarray  # [S] int32, cached tokens after this step
@@ -95,6 +99,7 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         tokens = bucket_for(config.token_buckets, max(out.num_tokens, rows))
     page_size = config.page_size
     token_ids = np.zeros(tokens, np.int32)
+    token_source = np.full(tokens, -1, np.int32)
     positions = np.zeros(tokens, np.int32)
     slots = np.full(tokens, -1, np.int32)
     kv_lens = np.zeros(rows, np.int32)
@@ -109,7 +114,11 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         seq, count = chunk.seq, chunk.num_tokens
         first = seq.num_computed_tokens
         pos = np.arange(first, first + count, dtype=np.int32)
-        token_ids[start:start + count] = seq.token_ids[first:first + count]
+        chunk_ids = seq.token_ids[first:first + count]
+        token_ids[start:start + count] = chunk_ids
+        if chunk_ids[-1] == PENDING:  # only the newest token can be on device
+            token_ids[start + count - 1] = 0
+            token_source[start + count - 1] = seq.pending_row
         positions[start:start + count] = pos
         pages = np.asarray(seq.pages, np.int32)
         slots[start:start + count] = pages[pos // page_size] * page_size + pos % page_size
@@ -128,7 +137,7 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     params = [c.seq.params for c in out.chunks]
     seeds = [c.seq.seed for c in out.chunks]
     return StepInput(
-        token_ids=token_ids, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
+        token_ids=token_ids, token_source=token_source, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
         page_indices=page_indices, cu_q_lens=cu_q_lens,
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,

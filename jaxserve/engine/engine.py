@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import queue
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import jax
 import numpy as np
@@ -99,12 +99,30 @@ def _on_mesh(model: LlamaModel, mesh: Mesh) -> LlamaModel:
 
 
 @dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose results are still on device."""
+
+    plan: SchedulerOutput
+    inp: StepInput
+    pending: Any  # the runner's device results
+    started: float
+    placeholders: list[int | None] | None  # `Scheduler.advance`'s; None: a decode loop
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether the next step needs this one's tokens on the host (penalty counts)."""
+        return any(chunk.seq.params.has_penalties for chunk in self.plan.chunks)
+
+
+@dataclasses.dataclass
 class Replica:
-    """One data-parallel replica: a page pool, its scheduler and a runner on a sub-mesh."""
+    """One data-parallel replica: a page pool, its scheduler and a runner on a sub-mesh, and
+    the step it has on device."""
 
     allocator: PageAllocator
     scheduler: Scheduler
     runner: Runner
+    in_flight: InFlight | None = None
 
     @property
     def load(self) -> int:
@@ -190,7 +208,7 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return (any(r.scheduler.has_work() for r in self.replicas)
+        return (any(r.scheduler.has_work() or r.in_flight is not None for r in self.replicas)
                 or not self._inbox.empty())
 
     def _drain_inbox(self) -> list[StreamDelta]:
@@ -210,32 +228,62 @@ class Engine:
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one scheduled step (or one decode loop) on every busy replica; return what
-        each request gained."""
+        """Dispatch every busy replica's next step, then read the step each dispatched before
+        (so the host's work on one step's tokens overlaps the device's next step); return
+        what each request gained. A decode loop is read at once (how many tokens it made
+        decides the next step), and so is a step with penalty rows (their token counts need
+        the tokens on the host)."""
         deltas = self._drain_inbox()
-        started = time.monotonic()
-        launched = []
+        dispatched = []
         for replica in self.replicas:  # dispatch all before fetching any
-            plan = replica.scheduler.schedule()
-            if plan.chunks:
-                inp = build_step_input(plan, self.config)
-                launched.append((replica, plan, inp, self._launch(replica.runner, plan, inp)))
-        for replica, plan, inp, pending in launched:
-            if plan.decode_only:
-                result, produced = jax.device_get(pending)  # [S, K, ...], [S]
-                fed = produced = [int(n) for n in produced[:len(plan.chunks)]]
+            previous, replica.in_flight = replica.in_flight, None
+            if previous is not None and previous.needs_host_tokens:
+                deltas += self._complete(replica, previous)
+                previous = None
+            dispatched.append((replica, previous, self._dispatch(replica)))
+        for replica, previous, flight in dispatched:
+            if previous is not None:
+                deltas += self._complete(replica, previous)
+            if flight is not None and flight.placeholders is None:
+                deltas += self._complete(replica, flight)
             else:
-                result = jax.tree.map(lambda a: a[:, None], jax.device_get(pending))  # [S, 1, ...]
-                fed = [c.num_tokens for c in plan.chunks]
-                produced = [int(c.samples) for c in plan.chunks]
+                replica.in_flight = flight
+        return deltas
+
+    def _dispatch(self, replica: Replica) -> InFlight | None:
+        """Schedule and launch a replica's next step (None if it has no work); a single step
+        is booked at once (`Scheduler.advance`), a decode loop when it is read."""
+        plan = replica.scheduler.schedule()
+        if not plan.chunks:
+            return None
+        inp = build_step_input(plan, self.config)
+        started = time.monotonic()
+        pending = self._launch(replica.runner, plan, inp)
+        single = not plan.decode_only or plan.num_decode_steps == 1
+        placeholders = replica.scheduler.advance(plan) if single else None
+        return InFlight(plan, inp, pending, started, placeholders)
+
+    def _complete(self, replica: Replica, flight: InFlight) -> list[StreamDelta]:
+        """Read a dispatched step's results and book them; the requests' deltas."""
+        plan, rows = flight.plan, len(flight.plan.chunks)
+        result = jax.device_get(flight.pending)
+        if plan.decode_only:
+            result, produced = result  # [S, K, ...], [S]
+        else:
+            result = jax.tree.map(lambda a: a[:, None], result)  # [S, 1, ...]
+        if flight.placeholders is None:  # a decode loop
+            produced = [int(n) for n in produced[:rows]]
             sampled = [result.tokens[i, :n].tolist() for i, n in enumerate(produced)]
-            updates = replica.scheduler.postprocess(plan, sampled, fed)
-            deltas += [self._output(replica, update, result) for update in updates]
-            self.metrics.record_step(StepRecord(
-                num_seqs=len(plan.chunks), num_tokens=plan.num_tokens,
-                padded_tokens=int(inp.token_ids.shape[0]),
-                num_decode_steps=plan.num_decode_steps,
-                kv_cache_usage=replica.allocator.usage, duration=time.monotonic() - started))
+            updates = replica.scheduler.postprocess(plan, sampled, produced)
+        else:
+            updates = replica.scheduler.complete(plan, result.tokens[:rows, 0].tolist(),
+                                                 flight.placeholders)
+        deltas = [self._output(replica, update, result) for update in updates]
+        self.metrics.record_step(StepRecord(
+            num_seqs=rows, num_tokens=plan.num_tokens,
+            padded_tokens=int(flight.inp.token_ids.shape[0]),
+            num_decode_steps=plan.num_decode_steps, kv_cache_usage=replica.allocator.usage,
+            duration=time.monotonic() - flight.started))
         return deltas
 
     def _output(self, replica: Replica, update: SequenceUpdate,

@@ -82,27 +82,44 @@ class Runner:
                                             embed.dtype, cache_sh, model.scan_layers)
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
+        rep = self.replicated
         self._jitted = {
-            "step": jax.jit(self._step, donate_argnums=(1,),
-                            out_shardings=(self.replicated, caches_sh)),
+            "step": jax.jit(self._step, donate_argnums=(1,), out_shardings=(rep, caches_sh, rep)),
             "decode": jax.jit(self._decode, donate_argnums=(1,),
-                              out_shardings=(self.replicated, self.replicated, caches_sh))}
+                              out_shardings=(rep, rep, caches_sh, rep))}
+        # [max rows] each row's newest sampled token, on device: the next step's PENDING
+        # tokens are read from here (`StepInput.token_source`) before the host has them.
+        self.max_rows = max(config.seq_buckets)
+        self.last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=rep)
+        if not isinstance(embed, jax.ShapeDtypeStruct):
+            self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
 
     # ---- traced programs ----------------------------------------------------------------
-    def _step(self, state, caches, inp: StepInput):
+    def _token_ids(self, inp: StepInput, last_tokens):
+        """The step's tokens `[T]`, those still on device read from `last_tokens`."""
+        source = inp.token_source  # [T]
+        return jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], inp.token_ids)
+
+    def _padded(self, tokens):
+        """`[S]` tokens as the `[max rows]` `last_tokens` of the next step."""
+        return jnp.zeros((self.max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+    def _step(self, state, caches, inp: StepInput, last_tokens):
         model = nnx.merge(self.graphdef, state)
         attention = self.attention.for_step(PagedBatch(
             inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs))
-        hidden, caches = model(inp.token_ids, inp.positions, caches, attention)  # [T, E]
+        hidden, caches = model(self._token_ids(inp, last_tokens), inp.positions, caches,
+                               attention)  # [T, E]
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
                                           inp.sampling)
-        return sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts), caches
+        result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts)
+        return result, caches, self._padded(result.tokens)
 
-    def _decode(self, state, caches, inp: StepInput, num_steps):
+    def _decode(self, state, caches, inp: StepInput, num_steps, last_tokens):
         model = nnx.merge(self.graphdef, state)
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
@@ -143,9 +160,10 @@ class Runner:
             current = jnp.where(done, current, new)
             return step + 1, out, count, done | stopped, current, position, counts, caches
 
-        carry = (jnp.int32(0), out, count, done, inp.token_ids, inp.positions, counts, caches)
-        _, out, count, _, _, _, _, caches = jax.lax.while_loop(cond, body, carry)
-        return out, count, caches  # SampleResult of [S, K], counts [S]
+        carry = (jnp.int32(0), out, count, done, self._token_ids(inp, last_tokens),
+                 inp.positions, counts, caches)
+        _, out, count, _, current, _, _, caches = jax.lax.while_loop(cond, body, carry)
+        return out, count, caches, self._padded(current)  # SampleResult of [S, K], counts [S]
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
@@ -153,7 +171,8 @@ class Runner:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)  # noqa: E731
         return StepInput(
-            token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
+            token_ids=i32(tokens), token_source=i32(tokens), positions=i32(tokens),
+            slot_mapping=i32(tokens),
             kv_lens=i32(rows), page_indices=i32(rows, self.config.pages_per_seq),
             cu_q_lens=i32(rows + 1), num_seqs=i32(1), logits_indices=i32(rows),
             sampling=SamplingArrays(temperature=f32(rows), top_k=i32(rows), top_p=f32(rows),
@@ -172,9 +191,10 @@ class Runner:
         """The jitted function of a program and its abstract arguments (what `lower` takes)."""
         inputs = self._input_shapes(tokens, rows)
         if kind == "step":
-            return self._jitted["step"], [self.state, self.caches, inputs]
+            return self._jitted["step"], [self.state, self.caches, inputs, self.last_tokens]
         steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return self._jitted["decode"], [self.state, self.caches, inputs, steps]
+        return self._jitted["decode"], [self.state, self.caches, inputs, steps,
+                                        self.last_tokens]
 
     def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         """The compiled program of a bucket, compiling it if warm-up did not (counted; with
@@ -221,7 +241,8 @@ class Runner:
     def launch_step(self, inp: StepInput) -> SampleResult:
         """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
         program = self.program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
-        result, self.caches = program(self.state, self.caches, self._place(inp))
+        result, self.caches, self.last_tokens = program(self.state, self.caches,
+                                                        self._place(inp), self.last_tokens)
         return result
 
     def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
@@ -230,7 +251,8 @@ class Runner:
         rows = inp.kv_lens.shape[0]
         program = self.program("decode", rows, rows)
         placed, steps = self._place((inp, np.int32(num_steps)))
-        out, count, self.caches = program(self.state, self.caches, placed, steps)
+        out, count, self.caches, self.last_tokens = program(self.state, self.caches, placed,
+                                                            steps, self.last_tokens)
         return out, count
 
     def step(self, inp: StepInput) -> SampleResult:

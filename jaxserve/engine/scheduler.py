@@ -1,9 +1,12 @@
 """First-come-first-served scheduler with chunked prefill and preemption (plain Python).
 
 The scheduler owns the books: every sequence's status, pages and token counts change here
-only — in `schedule()` before a step and in `postprocess()` after it (tokens appended, stop
-tokens and length checked, full pages keyed for the prefix cache, finished sequences'
-pages freed), plus `abort()` and `stop_early()` (a stop string, found in the text).
+only — in `schedule()` before a step; in `advance()` as a single step is dispatched (its
+tokens count as computed, each token it samples a `PENDING` placeholder), so the next step can
+be scheduled while this one runs; in `complete()` when its tokens arrive (placeholders
+filled, stop tokens and length checked, full pages keyed for the prefix cache, finished
+sequences' pages freed), or `postprocess()` for a decode loop, whose token count is known
+only when it ends; plus `abort()` and `stop_early()` (a stop string, found in the text).
 
 Each step fills a token budget (`max_num_batched_tokens`): first one decode token for every
 running sequence (or the next chunk of one still prefilling), then prefill chunks of waiting
@@ -21,7 +24,7 @@ import time
 
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
-from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.engine.sequence import PENDING, Sequence, Status
 
 
 @dataclasses.dataclass
@@ -88,24 +91,81 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished and release its pages (cached pages stay in the LRU)."""
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        while seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
+            seq.output_token_ids.pop()  # sampled by a step still on device: dropped
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.times.finished = time.monotonic()
 
     # ---- after a step -------------------------------------------------------------------
+    def advance(self, plan: SchedulerOutput) -> list[int | None]:
+        """A single step was dispatched: its tokens count as computed and each token it will
+        sample is a `PENDING` output. Returns, per chunk, that output's index (None for a
+        chunk that samples nothing), for `complete()`."""
+        indices = []
+        for row, chunk in enumerate(plan.chunks):
+            seq, samples = chunk.seq, chunk.samples
+            seq.num_computed_tokens += chunk.num_tokens
+            indices.append(None)
+            if samples:
+                seq.output_token_ids.append(PENDING)
+                seq.pending_row = row
+                indices[-1] = len(seq.output_token_ids) - 1
+        return indices
+
+    def complete(self, plan: SchedulerOutput, sampled: list[int],
+                 indices: list[int | None]) -> list[SequenceUpdate]:
+        """The tokens of a step `advance()` booked arrived (`sampled[i]`: chunk i's): fill
+        the placeholders, finish sequences on a stop token or their length, key full pages.
+        A sequence finished meanwhile (aborted, or stopped by the step before) is skipped;
+        a later step's placeholder after a stop is dropped."""
+        now = time.monotonic()
+        updates = []
+        for row, (chunk, token, index) in enumerate(zip(plan.chunks, sampled, indices)):
+            seq = chunk.seq
+            if seq.status is Status.FINISHED:
+                continue
+            reason = None
+            if index is not None:
+                seq.output_token_ids[index] = token
+                seq.times.tokens_arrived(1, now)
+                if token in seq.stop_token_ids:
+                    reason = "stop"
+                elif index + 1 >= seq.max_new_tokens:
+                    reason = "length"
+            self._register_pages(seq)
+            if reason is not None:
+                del seq.output_token_ids[index + 1:]
+                self._finish(seq, reason)
+            if index is not None:
+                updates.append(SequenceUpdate(seq, row, [token], reason))
+        return updates
+
+    def _register_pages(self, seq: Sequence) -> None:
+        """Key the full pages whose tokens are all known and computed (a decode loop
+        computes tokens it also returns; placeholders are not known yet)."""
+        known = seq.num_tokens
+        while known > len(seq.prompt_token_ids) and seq.token_ids[known - 1] == PENDING:
+            known -= 1
+        self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
+                                           min(seq.num_computed_tokens, known))
+
     def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
                     fed: list[int]) -> list[SequenceUpdate]:
         """Book-keep a step that ran: chunk i computed `fed[i]` tokens and sampled
         `sampled[i]` (in order). Tokens are appended up to the first stop token or the length
         limit, which finish the sequence; full pages are keyed for the prefix cache. Returns
-        an update for every sequence that gained tokens."""
+        an update for every sequence that gained tokens (none finished meanwhile)."""
         now = time.monotonic()
         updates = []
         for row, (chunk, tokens, count) in enumerate(zip(plan.chunks, sampled, fed)):
             seq = chunk.seq
+            if seq.status is Status.FINISHED:
+                continue
             seq.num_computed_tokens += count
             kept, reason = [], None
             for token in tokens:
@@ -118,10 +178,7 @@ class Scheduler:
                     break
             seq.output_token_ids.extend(kept)
             seq.times.tokens_arrived(len(kept), now)
-            # Key full pages only once their tokens are appended (a decode loop computes
-            # tokens it also returns), and never past the tokens kept after a stop.
-            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
-                                               min(seq.num_computed_tokens, seq.num_tokens))
+            self._register_pages(seq)
             if reason is not None:
                 self._finish(seq, reason)
             if kept:
@@ -154,6 +211,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            if len(seq.output_token_ids) >= seq.max_new_tokens:
+                continue  # its last token is on device; it finishes when that arrives
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve_or_preempt(seq, seq.num_computed_tokens + count, out):
                 continue

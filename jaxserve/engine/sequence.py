@@ -3,7 +3,9 @@
 A sequence's tokens are its prompt followed by what it generated. `num_computed_tokens` of
 them have K/V in the cache (in `pages`, in order); the rest are computed by later steps. A
 preempted sequence keeps its tokens but loses its pages and recomputes them all, output
-included, as one longer prompt.
+included, as one longer prompt. While a step is on device, each token it will sample is a
+`PENDING` placeholder at the end of the outputs, so the next step can be scheduled (and fed
+that token on device) before this one's results are read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import enum
 import time
 
 from jaxserve.sampling_params import SamplingParams
+
+PENDING = -1  # an output token sampled by a step still on device (`Scheduler.advance`)
 
 
 class Status(enum.Enum):
@@ -65,6 +69,9 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of full pages, in order
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # The row, in the step still on device, whose sampled token is the PENDING token at the
+    # end of `output_token_ids` (the next step reads it there on device).
+    pending_row: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     times: RequestTimes = dataclasses.field(default_factory=RequestTimes)

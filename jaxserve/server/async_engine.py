@@ -74,27 +74,34 @@ class AsyncEngine:
                 continue
             if self.on_step is not None:
                 self.on_step(deltas)
+            self._deliver(deltas)
+
+    def _deliver(self, deltas: list[StreamDelta]) -> None:
+        """Hand a step's deltas to their readers: one wake-up per event loop, not per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        orphans = []
+        with self._lock:
             for delta in deltas:
-                self._deliver(delta)
-
-    def _deliver(self, delta: StreamDelta) -> None:
-        with self._lock:
-            target = self._streams.get(delta.request_id)
-        if target is None:
-            if delta.finished:  # its reader left: nobody will collect it
-                self._collect_orphan(delta.request_id)
-            return
-        loop, queue = target
-        loop.call_soon_threadsafe(self._hand_over, delta.request_id, queue, delta)
-
-    def _hand_over(self, request_id: str, queue: asyncio.Queue, delta: StreamDelta) -> None:
-        """On the event loop: queue the delta, unless its reader left since it was sent."""
-        with self._lock:
-            alive = request_id in self._streams and self._streams[request_id][1] is queue
-        if alive:
-            queue.put_nowait(delta)
-        elif delta.finished:
+                target = self._streams.get(delta.request_id)
+                if target is not None:
+                    loop, queue = target
+                    by_loop.setdefault(loop, []).append((delta.request_id, queue, delta))
+                elif delta.finished:  # its reader left: nobody will collect it
+                    orphans.append(delta.request_id)
+        for request_id in orphans:
             self._collect_orphan(request_id)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(self._hand_over, items)
+
+    def _hand_over(self, items: list[tuple[str, asyncio.Queue, StreamDelta]]) -> None:
+        """On the event loop: queue each delta, unless its reader left since it was sent."""
+        for request_id, queue, delta in items:
+            with self._lock:
+                alive = request_id in self._streams and self._streams[request_id][1] is queue
+            if alive:
+                queue.put_nowait(delta)
+            elif delta.finished:
+                self._collect_orphan(request_id)
 
     def _collect_orphan(self, request_id: str) -> None:
         """Forget a finished request whose reader is gone."""
