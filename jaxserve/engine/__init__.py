@@ -12,13 +12,16 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    (`jaxserve.model`) with the attention backend's per-step function
    (`jaxserve.attention`), K/V written into the donated cache (`kv_cache`), then
    `sampler` on device. One host copy brings the sampled tokens back.
-5. `Scheduler.postprocess` appends the tokens, checks stop tokens and length, keys full pages
-   for the prefix cache and frees finished sequences' pages.
+5. A single step is booked as it is dispatched (`Scheduler.advance`: the token it will
+   sample is a placeholder), so the next `step()` can schedule and dispatch the next step
+   before reading this one's tokens; the device reads the placeholder tokens itself.
+   `Scheduler.complete` (a decode loop: `postprocess`) fills in the tokens, checks stop
+   tokens and length, keys full pages for the prefix cache and frees finished pages.
 6. `output_processor.OutputProcessor` detokenizes, finds stop strings (the engine then calls
    `Scheduler.stop_early`) and returns a `StreamDelta`; `metrics` records the step and every
    finished request, and `Engine.stats()` reports queue lengths and cache usage.
 
-`config.EngineConfig` holds the options; `multihost` broadcasts each step's input from
-process 0 to the others. The scheduler, allocator, sequence and batcher are plain Python and
+`config.EngineConfig` holds the options; `replica` is one data-parallel replica and its step
+on device; `multihost` broadcasts each step's input from process 0 to the others. The scheduler, allocator, sequence and batcher are plain Python and
 numpy; everything that touches jax is in the runner, the sampler, the cache and the engine.
 """

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import queue
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 import sharding
@@ -51,6 +49,7 @@ from jaxserve.model import LlamaModel
 from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.replica import InFlight, Replica, on_mesh
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampler import SampleResult
 from jaxserve.sampling_params import SamplingParams
@@ -92,43 +91,6 @@ def engine_mesh(config: EngineConfig) -> Mesh:
     return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
 
 
-def _on_mesh(model: LlamaModel, mesh: Mesh) -> LlamaModel:
-    """A replica's model: the same device buffers, viewed on its sub-mesh."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: sharding.restrict_to(a, mesh), state))
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A dispatched step whose results are still on device."""
-
-    plan: SchedulerOutput
-    inp: StepInput
-    pending: Any  # the runner's device results
-    started: float
-    placeholders: list[int | None] | None  # `Scheduler.advance`'s; None: a decode loop
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Whether the next step needs this one's tokens on the host (penalty counts)."""
-        return any(chunk.seq.params.has_penalties for chunk in self.plan.chunks)
-
-
-@dataclasses.dataclass
-class Replica:
-    """One data-parallel replica: a page pool, its scheduler and a runner on a sub-mesh, and
-    the step it has on device."""
-
-    allocator: PageAllocator
-    scheduler: Scheduler
-    runner: Runner
-    in_flight: InFlight | None = None
-
-    @property
-    def load(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
-
 class Engine:
     """Serves many requests at once on one model."""
 
@@ -152,7 +114,7 @@ class Engine:
         for sub_mesh in sharding.replica_meshes(self.mesh):
             allocator = PageAllocator(self.num_pages, config.page_size,
                                       config.enable_prefix_caching)
-            replica_model = model if config.data_parallel_size == 1 else _on_mesh(model, sub_mesh)
+            replica_model = model if config.data_parallel_size == 1 else on_mesh(model, sub_mesh)
             runner = Runner(replica_model, config, self.num_pages, sub_mesh)
             runner.warm_up(progress)
             self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))

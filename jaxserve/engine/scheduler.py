@@ -63,6 +63,16 @@ class SequenceUpdate:
     finish_reason: str | None = None
 
 
+def _stop_reason(seq: Sequence, token: int, num_outputs: int) -> str | None:
+    """Why `token`, the sequence's `num_outputs`-th output, ends it: a stop token (eos
+    included), or its length limit; None if it does not."""
+    if token in seq.stop_token_ids:
+        return "stop"
+    if num_outputs >= seq.max_new_tokens:
+        return "length"
+    return None
+
+
 class Scheduler:
     """Owns the waiting and running queues and every sequence's pages."""
 
@@ -125,18 +135,14 @@ class Scheduler:
         a later step's placeholder after a stop is dropped."""
         now = time.monotonic()
         updates = []
-        for row, (chunk, token, index) in enumerate(zip(plan.chunks, sampled, indices)):
-            seq = chunk.seq
-            if seq.status is Status.FINISHED:
+        for row, (seq, token, index) in enumerate(zip(self._live(plan), sampled, indices)):
+            if seq is None:
                 continue
             reason = None
             if index is not None:
                 seq.output_token_ids[index] = token
                 seq.times.tokens_arrived(1, now)
-                if token in seq.stop_token_ids:
-                    reason = "stop"
-                elif index + 1 >= seq.max_new_tokens:
-                    reason = "length"
+                reason = _stop_reason(seq, token, index + 1)
             self._register_pages(seq)
             if reason is not None:
                 del seq.output_token_ids[index + 1:]
@@ -144,6 +150,11 @@ class Scheduler:
             if index is not None:
                 updates.append(SequenceUpdate(seq, row, [token], reason))
         return updates
+
+    @staticmethod
+    def _live(plan: SchedulerOutput) -> list[Sequence | None]:
+        """The plan's sequences in row order, None for one finished since it was scheduled."""
+        return [None if c.seq.status is Status.FINISHED else c.seq for c in plan.chunks]
 
     def _register_pages(self, seq: Sequence) -> None:
         """Key the full pages whose tokens are all known and computed (a decode loop
@@ -162,18 +173,14 @@ class Scheduler:
         an update for every sequence that gained tokens (none finished meanwhile)."""
         now = time.monotonic()
         updates = []
-        for row, (chunk, tokens, count) in enumerate(zip(plan.chunks, sampled, fed)):
-            seq = chunk.seq
-            if seq.status is Status.FINISHED:
+        for row, (seq, tokens, count) in enumerate(zip(self._live(plan), sampled, fed)):
+            if seq is None:
                 continue
             seq.num_computed_tokens += count
             kept, reason = [], None
             for token in tokens:
                 kept.append(token)
-                if token in seq.stop_token_ids:
-                    reason = "stop"
-                elif len(seq.output_token_ids) + len(kept) >= seq.max_new_tokens:
-                    reason = "length"
+                reason = _stop_reason(seq, token, len(seq.output_token_ids) + len(kept))
                 if reason is not None:
                     break
             seq.output_token_ids.extend(kept)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import LLM, SamplingParams, multihost
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import multihost
 from jaxserve.engine.multihost import initialize
 from tiny_models import SMALL_ENGINE, build_model
 
@@ -38,7 +39,7 @@ def test_two_processes_give_one_process_tokens(tmp_path):
     single = LLM(str(folder), dtype="float32", progress=False, **ENGINE)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS)]
 
-    tests_dir = Path(__file__).parent
+    tests_dir = Path(__file__).parents[1]  # tiny_models; the repository above it
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                JAX_NUM_PROCESSES="2",
