@@ -19,13 +19,6 @@ EOS = 1
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    build_model("llama", path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def model(folder):
     return load_weights(folder, load_config(folder), progress=False)
 

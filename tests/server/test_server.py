@@ -15,17 +15,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench.serve_bench import run_benchmark
 from jaxserve.server.state import ServerOptions, ServerState
 from server_helpers import ThreadedServer, wait_until
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE
 
 ENGINE = {**SMALL_ENGINE, "max_num_seqs": 8, "num_pages": 96}
 NAME = "tiny"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    build_model("llama", path)
-    return path
 
 
 @pytest.fixture(scope="module")
