@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -95,6 +96,25 @@ def kv_head_repeats(num_kv_heads: int, num_heads: int, tensor_parallel_size: int
                          f"num_key_value_heads ({num_kv_heads}) when larger than it, so kv "
                          "heads can be replicated whole")
     return tp // num_kv_heads
+
+
+def repeat_kv_heads(array: jax.Array, repeats: int, axis: int,
+                    target: NamedSharding) -> jax.Array:
+    """Each kv head of `array` (on `axis`) stored `repeats` times, consecutively (as
+    `kv_head_repeats` describes), placed with `target`."""
+    if repeats == 1:
+        return jax.device_put(array, target)
+    return jax.jit(lambda a: jnp.repeat(a, repeats, axis=axis), out_shardings=target)(array)
+
+
+def repeated_kv_slice(array: np.ndarray, index: tuple[slice, ...], axis: int | None,
+                      repeats: int) -> np.ndarray:
+    """`repeat_kv_heads` on the host for one device's slice `index`: `np.repeat(array,
+    repeats, axis)[index]` without building the repeated array (axis None: no kv heads)."""
+    if axis is None or repeats == 1:
+        return array[index]
+    heads = np.arange(array.shape[axis] * repeats)[index[axis]] // repeats
+    return np.take(array, heads, axis=axis)[index[:axis] + (slice(None),) + index[axis + 1:]]
 
 
 def shard_loader(array_fn: Callable[[tuple[slice, ...]], np.ndarray], shape: tuple[int, ...],

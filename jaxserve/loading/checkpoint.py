@@ -110,7 +110,6 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
     for path, var in variables.items():
         value, axis = arrays.pop(_key(path)), kv_axis(path)
         if axis is not None and repeats > 1:
-            value = jax.jit(lambda a, axis=axis: jnp.repeat(a, repeats, axis=axis),
-                            out_shardings=shardings[path])(value)
+            value = sharding.repeat_kv_heads(value, repeats, axis, shardings[path])
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(variables))

@@ -202,15 +202,6 @@ def kv_axis(path: tuple) -> int | None:
     return None
 
 
-def _repeated_slice(array: np.ndarray, index: tuple[slice, ...], axis: int | None,
-                    repeats: int) -> np.ndarray:
-    """`np.repeat(array, repeats, axis)[index]` without building the repeated array."""
-    if axis is None or repeats == 1:
-        return array[index]
-    heads = np.arange(array.shape[axis] * repeats)[index[axis]] // repeats
-    return np.take(array, heads, axis=axis)[index[:axis] + (slice(None),) + index[axis + 1:]]
-
-
 def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
     """A `Placer` that builds each parameter shard by shard on `mesh` (kv heads repeated as
     `sharded_config` says); `cfg` is the checkpoint's own config."""
@@ -224,7 +215,8 @@ def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
         if axis is not None:
             shape[axis] *= repeats
         return sharding.shard_loader(
-            lambda index: _repeated_slice(array, index, axis, repeats).astype(np_dtype),
+            lambda index: sharding.repeated_kv_slice(array, index, axis, repeats).astype(
+                np_dtype),
             tuple(shape), shardings[path])
 
     return place
@@ -240,9 +232,11 @@ def shard_model(model: LlamaModel, mesh: Mesh) -> LlamaModel:
     variables = dict(nnx.to_flat_state(state))
     for path, var in variables.items():
         value, axis = var.get_value(), kv_axis(path)
-        if axis is not None and repeats > 1:
-            value = jnp.repeat(value, repeats, axis=axis)
-        variables[path] = var.replace(jax.device_put(value, shardings[path]))  # new Variable
+        if axis is not None:
+            value = sharding.repeat_kv_heads(value, repeats, axis, shardings[path])
+        else:
+            value = jax.device_put(value, shardings[path])
+        variables[path] = var.replace(value)  # new Variable
     sharded = nnx.merge(graphdef, nnx.from_flat_state(variables))
     sharded.config = stored
     return sharded
