@@ -19,25 +19,19 @@ def _spec(head_dim: int | None, ndim: int) -> P:
     return P(*("model" if i == head_dim else None for i in range(ndim)))
 
 
-def _arg_specs(arg, head_dim):
-    if isinstance(head_dim, tuple):
-        return tuple(_spec(d, a.ndim) for a, d in zip(arg, head_dim, strict=True))
-    return jax.tree.map(lambda a: _spec(head_dim, a.ndim), arg)
-
-
 def shard_over_heads(fn: Callable, mesh: Mesh, arg_head_dims: tuple[int | None, ...],
                      out_head_dims) -> Callable:
     """Wrap `fn(*args)` so it runs per device on the "model" axis.
 
     `arg_head_dims[i]` is the head dimension of positional argument i (None: replicated,
-    e.g. page tables); every leaf of an argument uses that argument's entry, or, where the
-    entry is a tuple, leaf j of a tuple argument uses entry j.
+    e.g. page tables); every leaf of an argument uses that argument's entry.
     `out_head_dims` is `fn`'s output pytree with each array replaced by its head dimension
     (an int: outputs are always split on heads).
     """
 
     def wrapped(*args):
-        in_specs = tuple(_arg_specs(arg, d) for arg, d in zip(args, arg_head_dims))
+        in_specs = tuple(jax.tree.map(lambda a, d=d: _spec(d, a.ndim), arg)
+                         for arg, d in zip(args, arg_head_dims))
         out_shapes = jax.eval_shape(fn, *args)  # local shapes == global ones but heads
         out_specs = jax.tree.map(lambda s, d: _spec(d, len(s.shape)), out_shapes,
                                  out_head_dims)

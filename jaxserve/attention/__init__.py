@@ -10,9 +10,10 @@ picks the backend from `EngineConfig.attention_backend`:
 - "reference" (`reference.py`): the pure-jnp oracle the others are tested against.
 
 The runner builds a backend's `PagedAttention` for each traced step and each decode-loop step
-(`for_step`) and passes it to the model, which calls it once per layer: `attention(layer_index, q, k, v, layer_cache) -> (out,
-layer_cache)`. `backend.py` holds the interface and what every backend shares (stacked-layer
-page offsets, the `shard_map` over heads). `dense.py` is the attention of the dense reference
+(`for_step`) and passes it to the model, which calls it once per layer:
+`attention(layer_index, q, k, v, layer_cache) -> (out, layer_cache)`. `backend.py` holds the
+interface and what every backend shares (stacked-layer page offsets, the `shard_map` over
+heads). `dense.py` is the attention of the dense reference
 generator (`jaxserve.model.dense_generation`), with a contiguous cache and no pages.
 """
 

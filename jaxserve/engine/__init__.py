@@ -22,6 +22,7 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    finished request, and `Engine.stats()` reports queue lengths and cache usage.
 
 `config.EngineConfig` holds the options; `replica` is one data-parallel replica and its step
-on device; `multihost` broadcasts each step's input from process 0 to the others. The scheduler, allocator, sequence and batcher are plain Python and
-numpy; everything that touches jax is in the runner, the sampler, the cache and the engine.
+on device; `multihost` broadcasts each step's input from process 0 to the others. The
+scheduler, allocator, sequence and batcher are plain Python and numpy; everything that
+touches jax is in the runner, the sampler, the cache and the engine.
 """

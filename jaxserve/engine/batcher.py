@@ -137,7 +137,8 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     params = [c.seq.params for c in out.chunks]
     seeds = [c.seq.seed for c in out.chunks]
     return StepInput(
-        token_ids=token_ids, token_source=token_source, positions=positions, slot_mapping=slots, kv_lens=kv_lens,
+        token_ids=token_ids, token_source=token_source, positions=positions,
+        slot_mapping=slots, kv_lens=kv_lens,
         page_indices=page_indices, cu_q_lens=cu_q_lens,
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,

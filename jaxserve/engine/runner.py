@@ -22,8 +22,8 @@ A model whose parameters are abstract (`jaxserve plan`) gets an abstract cache: 
 can be compiled for a device that is not attached, never run.
 
 Everything lives on a mesh (one replica's `(1, tp)` mesh; `(1, 1)` on one device): weights
-as `jaxserve.loading.weights.shard_model` placed them, the cache split on kv heads, step inputs and
-sampled results replicated, so every process of a multi-host run can feed the same inputs
+as `jaxserve.loading.weights.shard_model` placed them, the cache split on kv heads, step
+inputs and sampled results replicated, so every process of a multi-host run can feed the same inputs
 and read the results. `launch_*` only dispatch (several replicas then run concurrently);
 `step` / `decode` also fetch the results.
 """
@@ -70,11 +70,12 @@ class Runner:
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
         embed = model.embed.get_value()
+        abstract = isinstance(embed, jax.ShapeDtypeStruct)  # compile only
         cache_sh = sharding.kv_cache_sharding(mesh)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
                                       platform)
-        if isinstance(embed, jax.ShapeDtypeStruct):  # abstract: compile only
+        if abstract:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
                                           embed.dtype, model.scan_layers, cache_sh)
         else:
@@ -91,7 +92,7 @@ class Runner:
         # tokens are read from here (`StepInput.token_source`) before the host has them.
         self.max_rows = max(config.seq_buckets)
         self.last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=rep)
-        if not isinstance(embed, jax.ShapeDtypeStruct):
+        if not abstract:
             self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.warmed_up = False

@@ -2,9 +2,9 @@
 
 Tensor names and layouts come from `jaxserve.loading.weights.hf_tensor_map`, the loader's own
 table, so they live in one place. Each loader transform there is a reshape/transpose of an HF
-tensor, i.e. a permutation of its elements: applying it to `arange(size)` shaped like the HF tensor tells
-where every HF element lands in the model's array, and scattering the model's array back
-through that permutation inverts it, whatever the transform is.
+tensor, i.e. a permutation of its elements: applying it to `arange(size)` shaped like the HF
+tensor tells where every HF element lands in the model's array, and scattering the model's
+array back through that permutation inverts it, whatever the transform is.
 """
 
 from __future__ import annotations
