@@ -159,11 +159,12 @@ class Scheduler:
     def _register_pages(self, seq: Sequence) -> None:
         """Key the full pages whose tokens are all known and computed (a decode loop
         computes tokens it also returns; placeholders are not known yet)."""
-        known = seq.num_tokens
-        while known > len(seq.prompt_token_ids) and seq.token_ids[known - 1] == PENDING:
-            known -= 1
+        outputs = seq.output_token_ids
+        pending = 0
+        while pending < len(outputs) and outputs[-1 - pending] == PENDING:
+            pending += 1
         self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
-                                           min(seq.num_computed_tokens, known))
+                                           min(seq.num_computed_tokens, seq.num_tokens - pending))
 
     def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
                     fed: list[int]) -> list[SequenceUpdate]:
