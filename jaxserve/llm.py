@@ -126,6 +126,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts")
+        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         sequences = [self._sequence(i, prompt, p)
                      for i, (prompt, p) in enumerate(zip(prompts, params))]
         for seq in sequences:  # all validated before any is queued

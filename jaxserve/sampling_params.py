@@ -11,6 +11,7 @@ import dataclasses
 from jaxserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top log-probabilities computed on device per token
+OUTPUT_KINDS = ("delta", "final_only")  # vLLM's RequestOutputKind.DELTA / FINAL_ONLY
 
 
 @dataclasses.dataclass
@@ -25,6 +26,11 @@ class SamplingParams:
     strings end the text before the string; `stop_token_ids` and the model's eos end it
     after the token (eos unless `ignore_eos`). `seed` makes sampling
     reproducible: the same seed and prompt give the same tokens whatever else is batched.
+    `output_kind` says how the caller reads the output: "delta" (streaming: every token is
+    delivered as soon as it is sampled, so a batch holding such a request decodes one token
+    per step) or "final_only" (only the finished output is read, so the engine may run
+    `num_decode_steps` decode steps per host round trip). `LLM.generate` and non-streaming
+    HTTP requests use "final_only".
     """
 
     temperature: float = 1.0
@@ -40,6 +46,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    output_kind: str = "delta"
 
     def __post_init__(self):
         _check_number("temperature", self.temperature, low=0.0)
@@ -65,6 +72,9 @@ class SamplingParams:
                                           f"{MAX_LOGPROBS}, got {self.logprobs}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError("output_kind", f"output_kind must be one of "
+                                      f"{list(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -2,7 +2,9 @@
 in blocks of alike length, each gathering only the pages it needs), because Pallas interpret
 mode is far too slow to serve from. A step's metadata is `cpu_step.plan_step` (which token
 is what, the masks), built once per step and shared by every layer; the decode loop runs it
-once per loop step. Everything CPU-specific in jaxserve lives in this backend.
+once per loop step. Everything CPU-specific in jaxserve lives in this backend, including
+one process setting for XLA:CPU's memory (`reuse_freed_memory`, applied when the backend is
+built).
 
 Measured on the 60M bench model (2 cores, float32, one prompt of 128 tokens then 128 new;
 32 such at once): gathering each decode loop's context once and carrying it through the loop
@@ -12,7 +14,9 @@ the carried context was removed.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 from typing import ClassVar
 
 import pallas_kernels
@@ -24,6 +28,9 @@ from jaxserve.attention.backend import AttentionBackend, PagedBatch
 class CpuBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
 
+    def __post_init__(self):
+        reuse_freed_memory()
+
     def step_metadata(self, batch: PagedBatch) -> cpu_step.StepPlan:
         return cpu_step.plan_step(batch.slot_mapping.shape[0], batch.kv_lens,
                                   batch.page_indices, batch.cu_q_lens, batch.num_seqs,
@@ -33,3 +40,23 @@ class CpuBackend(AttentionBackend):
         k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
         out = cpu_step.ragged_attention(q, k, v, k_pages, v_pages, page_indices, metadata)
         return out, (k_pages, v_pages)
+
+
+@functools.cache
+def reuse_freed_memory() -> bool:
+    """Let glibc's malloc reuse freed blocks of up to 1 GiB instead of unmapping them.
+
+    XLA:CPU allocates a program's temporaries on every call (42 MB for a 32-row decode step
+    of the 60M bench model) and frees them after. Above glibc's mmap threshold (32 MB at
+    most by default) each call maps fresh pages and faults every one in on first touch.
+    Measured there (2 cores, 16 rows, one decode step per call): 62 ms a call before, 47
+    after; an 8-step loop 55 → 51 ms a step. It also keeps the process's count of memory
+    mappings down. Freed memory stays with the process (up to 1 GiB at the heap's top).
+    Returns whether malloc took the settings (False without glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)
+                and libc.mallopt(m_trim_threshold, 1 << 30))

@@ -6,9 +6,11 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    next `step()` hands it to the least-loaded replica's `scheduler.Scheduler`.
 2. `Scheduler.schedule()` picks this step's work under the token budget (decode tokens first,
    then prefill chunks), reserving pages from `page_allocator.PageAllocator` (which also
-   finds cached prefixes); an all-decode step becomes a multi-step decode loop.
+   finds cached prefixes); an all-decode step in which nobody streams (`output_kind`
+   "final_only") becomes a multi-step decode loop.
 3. `batcher.build_step_input` pads the step to a (tokens, sequences) bucket as numpy arrays.
-4. `runner.Runner` runs that bucket's program, compiled at warm-up: the model
+4. `runner.Runner` packs them into one buffer (`packing`, one host→device copy) and runs
+   that bucket's program, compiled at warm-up: the model
    (`jaxserve.model`) with the attention backend's per-step function
    (`jaxserve.attention`), K/V written into the donated cache (`kv_cache`), then
    `sampler` on device. One host copy brings the sampled tokens back.

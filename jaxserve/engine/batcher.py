@@ -77,8 +77,17 @@ class StepInput:
     sampling: SamplingArrays  # [S] rows
     max_new: np.ndarray  # [S] int32, tokens each row may still generate (decode loop)
     stop_ids: np.ndarray  # [S, MAX_DEVICE_STOP_IDS] int32, -1 padded (decode loop)
-    history: np.ndarray  # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only
+    # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only (without any, a
+    # read-only all -1 view, which the runner does not copy to the device)
+    history: np.ndarray
     prompt_lens: np.ndarray  # [S] int32, how many of `history` are prompt tokens
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether some row has a presence, frequency or repetition penalty (and so needs
+        its token history)."""
+        s = self.sampling
+        return bool(s.presence.any() or s.frequency.any() or (s.repetition != 1).any())
 
 
 def bucket_for(ladder: tuple[int, ...], size: int) -> int:
@@ -107,14 +116,17 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     cu_q_lens = np.zeros(rows + 1, np.int32)
     max_new = np.zeros(rows, np.int32)
     stop_ids = np.full((rows, MAX_DEVICE_STOP_IDS), -1, np.int32)
-    history = np.full((rows, config.max_model_len), -1, np.int32)
+    if any(c.seq.params.has_penalties for c in out.chunks):
+        history = np.full((rows, config.max_model_len), -1, np.int32)
+    else:
+        history = np.broadcast_to(np.int32(-1), (rows, config.max_model_len))
     prompt_lens = np.zeros(rows, np.int32)
     start = 0
     for i, chunk in enumerate(out.chunks):
         seq, count = chunk.seq, chunk.num_tokens
         first = seq.num_computed_tokens
         pos = np.arange(first, first + count, dtype=np.int32)
-        chunk_ids = seq.token_ids[first:first + count]
+        chunk_ids = seq.tokens_between(first, first + count)
         token_ids[start:start + count] = chunk_ids
         if chunk_ids[-1] == PENDING:  # only the newest token can be on device
             token_ids[start + count - 1] = 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import queue
 import time
 from typing import Iterable
@@ -57,6 +58,16 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import shard_model, stack_layers
+
+
+def _without_logprobs(pending):
+    """A step's device results without the log-probability fields, which are not copied to
+    the host when no request asked for them."""
+    def drop(node):
+        if isinstance(node, SampleResult):
+            return dataclasses.replace(node, logprob=None, top_ids=None, top_logprobs=None)
+        return node
+    return jax.tree.map(drop, pending, is_leaf=lambda node: isinstance(node, SampleResult))
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:
@@ -228,7 +239,10 @@ class Engine:
     def _complete(self, replica: Replica, flight: InFlight) -> list[StreamDelta]:
         """Read a dispatched step's results and book them; the requests' deltas."""
         plan, rows = flight.plan, len(flight.plan.chunks)
-        result = jax.device_get(flight.pending)
+        pending = flight.pending
+        if all(c.seq.params.logprobs is None for c in plan.chunks):
+            pending = _without_logprobs(pending)
+        result = jax.device_get(pending)
         if plan.decode_only:
             result, produced = result  # [S, K, ...], [S]
         else:

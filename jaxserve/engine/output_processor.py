@@ -32,6 +32,20 @@ class StreamDelta:
     new_logprobs: list[dict[int, float]] | None = None  # per new token, when requested
 
 
+def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
+    """One delta for consecutive deltas of one request (a reader that fell behind sends
+    them as one event)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.new_logprobs is not None for d in deltas):
+        logprobs = [entry for d in deltas for entry in d.new_logprobs or ()]
+    return StreamDelta(last.request_id, [t for d in deltas for t in d.new_token_ids],
+                       "".join(d.new_text for d in deltas), last.finished, last.finish_reason,
+                       logprobs)
+
+
 def logprob_entries(tokens: np.ndarray, logprob: np.ndarray, top_ids: np.ndarray,
                     top_logprobs: np.ndarray, top: int) -> list[dict[int, float]]:
     """Per sampled token `{token id: log-probability}` of it and the `top` most likely.

@@ -1,6 +1,8 @@
 """Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
 
-The programs (the first two take the weights, the donated KV cache and a `StepInput`):
+The programs (both take the weights' leaves, the donated KV cache, the step's `StepInput`
+packed into one int32 buffer by `packing`, the token history, and the previous step's
+sampled tokens):
 - "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
   decode tokens, K/V written into the cache, one token sampled per sequence.
 - "decode" (S): every step whose chunks are all single decode tokens: up to
@@ -30,6 +32,9 @@ and read the results. `launch_*` only dispatch (several replicas then run concur
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +48,7 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
+from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
 from jaxserve.model import LlamaModel
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -69,6 +75,9 @@ class Runner:
         self.model_config = model.config
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
+        # The programs take the weights as a flat list: flattening nnx variables per call
+        # would cost the host more than the rest of a small step's dispatch.
+        self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         embed = model.embed.get_value()
         abstract = isinstance(embed, jax.ShapeDtypeStruct)  # compile only
         cache_sh = sharding.kv_cache_sharding(mesh)
@@ -84,10 +93,8 @@ class Runner:
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
         rep = self.replicated
-        self._jitted = {
-            "step": jax.jit(self._step, donate_argnums=(1,), out_shardings=(rep, caches_sh, rep)),
-            "decode": jax.jit(self._decode, donate_argnums=(1,),
-                              out_shardings=(rep, rep, caches_sh, rep))}
+        self._programs = {"step": (self._step, (rep, caches_sh, rep)),
+                          "decode": (self._decode, (rep, rep, caches_sh, rep))}
         # [max rows] each row's newest sampled token, on device: the next step's PENDING
         # tokens are read from here (`StepInput.token_source`) before the host has them.
         self.max_rows = max(config.seq_buckets)
@@ -95,6 +102,8 @@ class Runner:
         if not abstract:
             self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._layouts: dict[tuple, Layout] = {}
+        self._no_history: dict[int, jax.Array] = {}  # rows → [rows, max_model_len] of -1
         self.warmed_up = False
         self.compiles_after_warmup = 0
 
@@ -108,8 +117,15 @@ class Runner:
         """`[S]` tokens as the `[max rows]` `last_tokens` of the next step."""
         return jnp.zeros((self.max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
-    def _step(self, state, caches, inp: StepInput, last_tokens):
-        model = nnx.merge(self.graphdef, state)
+    def _unpacked(self, layout: Layout, state_leaves, packed, history):
+        """The model and the program's inputs (a tuple: the `StepInput`, then any scalars)
+        from the flat arguments every program takes."""
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state_leaves))
+        inp, *rest = unpack(packed, layout)
+        return model, dataclasses.replace(inp, history=history), *rest
+
+    def _step(self, layout: Layout, state_leaves, caches, packed, history, last_tokens):
+        model, inp = self._unpacked(layout, state_leaves, packed, history)
         attention = self.attention.for_step(PagedBatch(
             inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs))
         hidden, caches = model(self._token_ids(inp, last_tokens), inp.positions, caches,
@@ -120,8 +136,8 @@ class Runner:
         result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts)
         return result, caches, self._padded(result.tokens)
 
-    def _decode(self, state, caches, inp: StepInput, num_steps, last_tokens):
-        model = nnx.merge(self.graphdef, state)
+    def _decode(self, layout: Layout, state_leaves, caches, packed, history, last_tokens):
+        model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history)
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
         row = jnp.arange(rows)
@@ -187,15 +203,29 @@ class Runner:
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
             history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
 
+    def _layout(self, kind: str, tokens: int, rows: int) -> Layout:
+        """How a bucket's inputs are packed: the `StepInput` without its history, and for
+        "decode" the number of steps."""
+        key = (kind, tokens, rows)
+        if key not in self._layouts:
+            inputs = dataclasses.replace(self._input_shapes(tokens, rows), history=None)
+            scalars = () if kind == "step" else (jax.ShapeDtypeStruct((), jnp.int32),)
+            self._layouts[key] = Layout.of((inputs, *scalars))
+        return self._layouts[key]
+
     def program_inputs(self, kind: str, tokens: int, rows: int) -> tuple[jax.stages.Wrapped,
                                                                            list]:
-        """The jitted function of a program and its abstract arguments (what `lower` takes)."""
-        inputs = self._input_shapes(tokens, rows)
-        if kind == "step":
-            return self._jitted["step"], [self.state, self.caches, inputs, self.last_tokens]
-        steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return self._jitted["decode"], [self.state, self.caches, inputs, steps,
-                                        self.last_tokens]
+        """The jitted function of a program and its abstract arguments (what `lower` takes):
+        the weights' leaves, the KV cache (donated), the packed inputs, the token history
+        and the previous step's sampled tokens."""
+        layout = self._layout(kind, tokens, rows)
+        function, out_shardings = self._programs[kind]
+        jitted = jax.jit(functools.partial(function, layout), donate_argnums=(1,),
+                         out_shardings=out_shardings)
+        history = jax.ShapeDtypeStruct((rows, self.config.max_model_len), jnp.int32,
+                                       sharding=self.replicated)
+        return jitted, [self._state_leaves, self.caches,
+                        packed_shape(layout, self.replicated), history, self.last_tokens]
 
     def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         """The compiled program of a bucket, compiling it if warm-up did not (counted; with
@@ -239,21 +269,41 @@ class Runner:
         return jax.tree.map(lambda a: jax.make_array_from_callback(
             a.shape, self.replicated, lambda index: a[index]), tree)
 
+    def _step_buffer(self, packed: np.ndarray):
+        """The packed inputs as the program takes them: on one process the host array
+        itself (the compiled call copies it to the devices in one C++ call, cheaper than a
+        `device_put`), else replicated from every process's copy."""
+        return packed if jax.process_count() == 1 else self._place(packed)
+
+    def _history(self, inp: StepInput) -> jax.Array:
+        """The token history on device: copied for a step with penalty rows, else the
+        all-padding array of its row count (kept on device)."""
+        if inp.has_penalties:
+            return self._place(inp.history)
+        rows = inp.kv_lens.shape[0]
+        if rows not in self._no_history:
+            self._no_history[rows] = self._place(inp.history)
+        return self._no_history[rows]
+
+    def _launch(self, kind: str, inp: StepInput, *scalars):
+        tokens, rows = inp.token_ids.shape[0], inp.kv_lens.shape[0]
+        program = self.program(kind, tokens, rows)
+        packed = pack((dataclasses.replace(inp, history=None), *scalars),
+                      self._layout(kind, tokens, rows))
+        *outputs, self.caches, self.last_tokens = program(
+            self._state_leaves, self.caches, self._step_buffer(packed), self._history(inp),
+            self.last_tokens)
+        return outputs
+
     def launch_step(self, inp: StepInput) -> SampleResult:
         """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
-        program = self.program("step", inp.token_ids.shape[0], inp.kv_lens.shape[0])
-        result, self.caches, self.last_tokens = program(self.state, self.caches,
-                                                        self._place(inp), self.last_tokens)
+        (result,) = self._launch("step", inp)
         return result
 
     def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
         """Dispatch up to `num_steps` decode steps; returns device arrays: samples (fields
         `[S, K, ...]`) and how many each row produced `[S]`."""
-        rows = inp.kv_lens.shape[0]
-        program = self.program("decode", rows, rows)
-        placed, steps = self._place((inp, np.int32(num_steps)))
-        out, count, self.caches, self.last_tokens = program(self.state, self.caches, placed,
-                                                            steps, self.last_tokens)
+        out, count = self._launch("decode", inp, np.int32(num_steps))
         return out, count
 
     def step(self, inp: StepInput) -> SampleResult:

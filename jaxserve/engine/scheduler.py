@@ -12,8 +12,10 @@ Each step fills a token budget (`max_num_batched_tokens`): first one decode toke
 running sequence (or the next chunk of one still prefilling), then prefill chunks of waiting
 sequences in arrival order, so a long prompt never stalls running streams. When pages run
 out it preempts the newest running sequence (frees its pages; it recomputes later) instead of
-failing. When a step holds only decode tokens, it asks for several decode steps at once
-(`num_decode_steps`), with pages reserved for all of them.
+failing. When a step holds only decode tokens and nobody streams them (every request's
+`output_kind` is "final_only"), it asks for several decode steps at once
+(`num_decode_steps`), with pages reserved for all of them; a streamed request gets each
+token from its own step, which the engine overlaps with the next.
 """
 
 from __future__ import annotations
@@ -163,8 +165,10 @@ class Scheduler:
         pending = 0
         while pending < len(outputs) and outputs[-1 - pending] == PENDING:
             pending += 1
-        self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes,
-                                           min(seq.num_computed_tokens, seq.num_tokens - pending))
+        known = min(seq.num_computed_tokens, seq.num_tokens - pending)
+        filled = known // self.config.page_size > len(seq.page_hashes)
+        if filled and self.allocator.enable_prefix_caching:
+            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes, known)
 
     def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
                     fed: list[int]) -> list[SequenceUpdate]:
@@ -258,8 +262,11 @@ class Scheduler:
 
     def _decode_steps(self, out: SchedulerOutput) -> int:
         """As many decode steps as configured if pages for all of them, for every sequence,
-        can be reserved (all or none, so a fallback to one step holds no extra pages)."""
+        can be reserved (all or none, so a fallback to one step holds no extra pages); one
+        if a request streams (its tokens would otherwise arrive in bursts)."""
         steps = self.config.num_decode_steps
+        if steps == 1 or any(c.seq.params.output_kind == "delta" for c in out.chunks):
+            return 1
         wanted = [min(c.seq.num_computed_tokens + steps, self.config.max_model_len)
                   for c in out.chunks]
         needed = sum(max(0, -(-n // self.config.page_size) - len(c.seq.pages))

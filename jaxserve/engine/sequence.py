@@ -80,6 +80,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, stop: int) -> list[int]:
+        """`token_ids[start:stop]` without building the whole list (a decode step reads one
+        token of a long sequence)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:stop - prompt]
+        if stop <= prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -49,13 +49,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="jaxserve", lifespan=state.lifespan)
     app.state.jaxserve = state
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            return _error(413, f"request body of {length} bytes exceeds the limit of "
-                               f"{state.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -84,7 +78,7 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(500, f"the engine failed while serving this request: {exc}",
                       error_type="server_error")
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:
         if state.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -142,6 +136,24 @@ def create_app(state: ServerState) -> FastAPI:
         return await run(request, body, handlers.ChatJob)
 
     return app
+
+
+class BodySizeLimit:
+    """Answers 413 when a request's declared body exceeds `max_bytes`. A plain ASGI
+    middleware: Starlette's `BaseHTTPMiddleware` would wrap every streamed chunk in an extra
+    task and memory stream."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = _error(413, f"request body of {int(length)} bytes exceeds the "
+                                       f"limit of {self.max_bytes} bytes")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def _unless_disconnected(request: Request, work):

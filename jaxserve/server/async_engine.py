@@ -14,7 +14,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.output_processor import StreamDelta
+from jaxserve.engine.output_processor import StreamDelta, merge_deltas
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence
@@ -134,18 +134,23 @@ class AsyncEngine:
         return seq
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
-        """Deltas of a submitted request until it finishes. Leaving early (the client went
-        away, the handler was cancelled) aborts the request."""
+        """Deltas of a submitted request until it finishes; deltas that queued up while the
+        reader was busy come as one. Leaving early (the client went away, the handler was
+        cancelled) aborts the request."""
         with self._lock:
             _, queue = self._streams[request_id]
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await queue.get()]
+                while not queue.empty() and not isinstance(items[-1], Exception):
+                    items.append(queue.get_nowait())
+                failures = [item for item in items if isinstance(item, Exception)]
+                if failures:
+                    raise failures[0]
+                delta = merge_deltas(items)
+                finished = delta.finished
+                yield delta
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)

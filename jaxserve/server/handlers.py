@@ -114,46 +114,62 @@ class Job:
                 "model": self.model, "choices": choices,
                 "usage": self.usage(sum(len(o.token_ids) for o in outputs))}
 
-    async def sse(self) -> AsyncIterator[str]:
-        """Server-sent events of every choice, interleaved as tokens arrive."""
+    async def _deltas(self, choice: Choice) -> AsyncIterator[tuple[Choice, Any]]:
+        """One choice's deltas, then its failure if it failed (reported in the stream)."""
+        try:
+            async for delta in self.engine.stream(choice.request_id):
+                yield choice, delta
+            self.engine.result(choice.request_id)
+        except Exception as err:  # noqa: BLE001 - reported in the stream
+            yield choice, err
+
+    async def _interleaved(self) -> AsyncIterator[tuple[Choice, Any]]:
+        """Every choice's deltas as they arrive; one choice is read directly (no task)."""
+        if len(self.choices) == 1:
+            async for item in self._deltas(self.choices[0]):
+                yield item
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice):
-            try:
-                async for delta in self.engine.stream(choice.request_id):
-                    await queue.put((choice, delta))
-                self.engine.result(choice.request_id)
-            except Exception as err:  # noqa: BLE001 - reported in the stream
-                await queue.put((choice, err))
+            async for item in self._deltas(choice):
+                await queue.put(item)
+            await queue.put(None)
 
         tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        started, remaining, generated = set(), len(self.choices), 0
         try:
+            remaining = len(tasks)
             while remaining:
-                choice, delta = await queue.get()
-                if isinstance(delta, Exception):
-                    yield _event({"error": {"message": str(delta), "type": "server_error"}})
+                item = await queue.get()
+                if item is None:
                     remaining -= 1
-                    continue
-                generated += len(delta.new_token_ids)
-                body = self.delta_body(choice, delta, choice.index not in started)
-                started.add(choice.index)
-                remaining -= delta.finished
-                if body is not None:
-                    chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                             "model": self.model, "choices": [body]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _event(chunk)
-            if include_usage:
-                yield _event({"id": self.id, "object": self.chunk_object,
-                              "created": self.created, "model": self.model, "choices": [],
-                              "usage": self.usage(generated)})
-            yield "data: [DONE]\n\n"
+                else:
+                    yield item
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events of every choice, interleaved as tokens arrive."""
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        started, generated = set(), 0
+        async for choice, delta in self._interleaved():
+            if isinstance(delta, Exception):
+                yield _event({"error": {"message": str(delta), "type": "server_error"}})
+                continue
+            generated += len(delta.new_token_ids)
+            body = self.delta_body(choice, delta, choice.index not in started)
+            started.add(choice.index)
+            if body is not None:
+                chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                         "model": self.model, "choices": [body]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _event(chunk)
+        if include_usage:
+            yield _event({"id": self.id, "object": self.chunk_object, "created": self.created,
+                          "model": self.model, "choices": [], "usage": self.usage(generated)})
+        yield "data: [DONE]\n\n"
 
 
 def _event(data: dict[str, Any]) -> str:

@@ -53,7 +53,8 @@ class SamplingFields(BaseModel):
             seed=None if self.seed is None else self.seed + index,
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+            repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+            output_kind="delta" if self.stream else "final_only")
 
 
 class CompletionRequest(SamplingFields):

@@ -16,6 +16,7 @@ from jaxserve.model.config import load_config
 from tiny_models import SMALL_ENGINE, build_model
 
 EOS = 1
+LOOPS = "final_only"  # the output kind whose all-decode steps run as decode loops
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_random_workload_with_preemption_equals_dense_reference(model, folder):
     for i in range(24):
         prompts.append([rng.randrange(2, 320) for _ in range(rng.choice([1, 5, 16, 17, 40, 70]))])
         params.append(SamplingParams(temperature=0, max_tokens=rng.choice([1, 3, 12, 30]),
-                                     ignore_eos=i % 3 == 0))
+                                     ignore_eos=i % 3 == 0, output_kind=LOOPS))
         arrivals.setdefault(rng.randrange(0, 30), []).append((f"r{i}", prompts[i], params[i]))
     expected = dict(zip((f"r{i}" for i in range(24)),
                         dense_reference(model, prompts, params, [0] * 24)))
@@ -75,7 +76,7 @@ def test_random_workload_with_preemption_equals_dense_reference(model, folder):
 def test_seeded_sampling_equals_dense_path_and_multi_step_equals_single_step(model, folder):
     prompts = [[0, 5, 6, 7], list(range(2, 40)), [9] * 20]
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=s, max_tokens=20,
-                             ignore_eos=True) for s in (11, 12, 13)]
+                             ignore_eos=True, output_kind=LOOPS) for s in (11, 12, 13)]
     outputs = []
     for steps in (1, 4):
         engine = make_engine(model, folder, num_decode_steps=steps)
@@ -93,7 +94,7 @@ def test_decode_loops_around_a_mixed_step_equal_the_dense_path(model, folder):
     engine = make_engine(model, folder)
     prompts = [list(range(2, 20)), list(range(30, 35)), list(range(90, 100)),
                list(range(40, 80))]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=LOOPS)
     first = [(r, prompt, params) for r, prompt in zip("abd", prompts)]
     sequences, _ = run_to_completion(engine, {0: first, 3: [("c", prompts[3], params)]})
     assert [sequences[r].output_token_ids for r in "abdc"] == dense_reference(
@@ -116,7 +117,7 @@ def test_generated_text_is_prefix_cached_after_a_decode_loop(model, folder):
     """A follow-up whose prompt is an earlier request's prompt plus its output (multi-turn
     chat) reuses the pages the decode loop filled."""
     engine = make_engine(model, folder, num_decode_steps=4)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=LOOPS)
     first, _ = run_to_completion(engine, {0: [("a", list(range(2, 16)), params)]})
     follow_up = first["a"].token_ids + [3, 4]  # 26 tokens: its first page is cached
     second, _ = run_to_completion(engine, {0: [("b", follow_up, params)]})
@@ -139,13 +140,15 @@ def test_abort_frees_pages_and_others_carry_on(model, folder):
     assert engine.metrics.snapshot()["finished_by_reason"] == {"abort": 1, "length": 1}
 
 
-def test_streamed_text_adds_up_and_stop_strings_cut_it(model, folder):
+@pytest.mark.parametrize("output_kind", ["delta", LOOPS])
+def test_streamed_text_adds_up_and_stop_strings_cut_it(model, folder, output_kind):
     engine = make_engine(model, folder)
     free_params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     seqs, _ = run_to_completion(engine, {0: [("free", [0, 40, 41], free_params)]})
     full = engine.pop_output(seqs["free"]).outputs[0].text
     stop = full[6:9]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                            output_kind=output_kind)
     seqs, deltas = run_to_completion(engine, {0: [("cut", [0, 40, 41], params)]})
     final = engine.pop_output(seqs["cut"]).outputs[0]
     streamed = "".join(d.new_text for d in deltas if d.request_id == "cut")
@@ -200,7 +203,8 @@ def _penalized_greedy(model, prompt, params, steps):
 
 def test_penalties_match_a_numpy_reference_in_step_and_decode_loop(model, folder):
     prompt = [0, 9, 9, 10, 11, 9]
-    cases = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kw) for kw in (
+    cases = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=LOOPS,
+                            **kw) for kw in (
         dict(repetition_penalty=1.8), dict(frequency_penalty=1.5),
         dict(presence_penalty=2.0, repetition_penalty=0.7))]
     engine = make_engine(model, folder, num_decode_steps=4)
@@ -215,7 +219,8 @@ def test_penalties_match_a_numpy_reference_in_step_and_decode_loop(model, folder
 
 def test_logprobs_are_the_models_log_softmax(model, folder):
     engine = make_engine(model, folder)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                            output_kind=LOOPS)
     seqs, deltas = run_to_completion(engine, {0: [("r", [0, 5, 6, 7], params)]})
     out = engine.pop_output(seqs["r"]).outputs[0]
     streamed = [lp for d in deltas for lp in (d.new_logprobs or [])]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.output_processor import OutputProcessor, logprob_entries
+from jaxserve.engine.output_processor import (OutputProcessor, StreamDelta, logprob_entries,
+                                            merge_deltas)
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
@@ -38,6 +39,7 @@ def ids(tokenizer, pieces):
 
 
 def make_seq(prompt=(5, 6, 7), max_new=16, stops=(), **params):
+    params.setdefault("output_kind", "final_only")  # decode loops, as LLM.generate runs
     return Sequence("r", list(prompt), SamplingParams(max_tokens=max_new, **params), seed=0,
                     max_new_tokens=max_new, stop_token_ids=frozenset(stops))
 
@@ -283,3 +285,15 @@ def test_scheduler_and_output_processor_together(tokenizer):
     assert "".join(texts) == "The qu"
     assert seq.output_token_ids == [the, space, q, u, ic, k]
     assert seq.finish_reason == "stop" and seq.status is Status.FINISHED and seq.pages == []
+
+
+def test_deltas_a_reader_fell_behind_on_merge_into_one():
+    parts = [StreamDelta("r", [1], "The", False, None, [{1: -0.5}]),
+             StreamDelta("r", [2, 3], " qu", False, None, [{2: -1.0}, {3: -2.0}]),
+             StreamDelta("r", [4], "ick", True, "length", [{4: -0.1}])]
+    merged = merge_deltas(parts)
+    assert merged == StreamDelta("r", [1, 2, 3, 4], "The quick", True, "length",
+                                 [{1: -0.5}, {2: -1.0}, {3: -2.0}, {4: -0.1}])
+    plain = merge_deltas([StreamDelta("r", [1], "a", False, None),
+                          StreamDelta("r", [], "", True, "abort")])
+    assert plain == StreamDelta("r", [1], "a", True, "abort", None)

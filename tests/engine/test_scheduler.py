@@ -16,9 +16,10 @@ def make_scheduler(num_pages=40, budget=32, max_num_seqs=4, decode_steps=4, cach
     return Scheduler(config, PageAllocator(num_pages, 16, caching))
 
 
-def seq(name, prompt_len, max_new=8):
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_new),
-                    seed=0, max_new_tokens=max_new, stop_token_ids=frozenset())
+def seq(name, prompt_len, max_new=8, output_kind="final_only"):
+    params = SamplingParams(max_tokens=max_new, output_kind=output_kind)
+    return Sequence(name, list(range(1, prompt_len + 1)), params, seed=0,
+                    max_new_tokens=max_new, stop_token_ids=frozenset())
 
 
 def run_step(sched, out):
@@ -59,6 +60,17 @@ def test_all_decode_step_runs_several_decode_steps_with_pages_reserved():
     out = sched.schedule()
     assert out.num_decode_steps == 4
     assert len(a.pages) * 16 >= a.num_computed_tokens + 4
+
+
+def test_a_streamed_request_decodes_one_token_per_step_for_its_whole_batch():
+    sched = make_scheduler(decode_steps=4, budget=64)
+    batch = seq("batch", 15), seq("streamed", 15, output_kind="delta")
+    for s in batch:
+        sched.add(s)
+    run_step(sched, sched.schedule())
+    out = sched.schedule()
+    assert out.decode_only and out.num_decode_steps == 1
+    assert all(len(s.pages) == 1 for s in batch)  # no pages reserved for later steps
 
 
 def test_max_num_seqs_limits_admission():
