@@ -52,6 +52,32 @@ def engine_config_for(config: ModelConfig, engine_options: dict[str, Any]) -> En
     return engine_config
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What an `LLM` is built from, resolved and checked before any weight is read."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    dtype: Any
+    engine_config: EngineConfig
+
+
+def resolve_settings(model: str, dtype: str | None, config: str | None,
+                     engine_options: dict[str, Any]) -> Settings:
+    """The model folder's config, the preset with the options on top, and the engine config
+    they make, checked against each other (`ValueError` naming what is wrong). Cheap: what
+    `jaxserve serve` runs before it opens its socket."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise ValueError(f"model {model!r} is not a folder")
+    model_config = load_config(model_dir)
+    preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
+                                                   engine_options)
+    resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
+    return Settings(model_dir, model_config, resolved_dtype,
+                    engine_config_for(model_config, engine_options))
+
+
 class LLM:
     """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
 
@@ -59,17 +85,12 @@ class LLM:
                  progress: bool = True, **engine_options: Any):
         """`config`: a deployment preset (TOML); default: cpu.toml on CPU, none elsewhere.
         `dtype` and `engine_options` override the preset's."""
-        model_dir = Path(model)
-        if not model_dir.is_dir():
-            raise ValueError(f"model {model!r} is not a folder")
-        self.config = load_config(model_dir)
-        preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
-                                                       engine_options)
-        self.dtype = resolve_dtype(dtype or preset_dtype or "auto",
-                                   self.config.checkpoint_dtype)
+        settings = resolve_settings(model, dtype, config, engine_options)
+        model_dir = settings.model_dir
+        self.config, self.dtype = settings.model_config, settings.dtype
+        self.engine_config = settings.engine_config
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        self.engine_config = engine_config_for(self.config, engine_options)
         mesh = engine_mesh(self.engine_config)
         if checkpoint.is_checkpoint(model_dir):
             self.model = checkpoint.restore(model_dir, self.config, self.dtype, mesh)

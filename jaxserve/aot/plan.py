@@ -143,7 +143,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
-        "max_temp_bytes_per_device": 0, "programs": [], "reason": None}
+        "max_temp_bytes_per_device": 0, "warm_up_programs": 0, "programs": [],
+        "reason": None}
     tp = engine.tensor_parallel_size
     try:
         num_pages = pages_for_memory(stored, engine, param_dtype, hbm, weights, tp)
@@ -157,6 +158,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
     reports = []
     programs = chosen_programs(runner, all_buckets)
+    result["warm_up_programs"] = len(runner.bucket_programs())  # per replica, at serve time
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
                                    unit="program", disable=not progress):
         jitted, args = runner.program_inputs(kind, tokens, seqs)

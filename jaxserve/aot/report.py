@@ -21,6 +21,8 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
         f"{_gib(plan['kv_cache_bytes_per_device'])} ({plan['num_pages']} pages, "
         f"{plan['max_concurrent_tokens']} tokens), largest temporaries "
         f"{_gib(plan['max_temp_bytes_per_device'])}",
+        f"  programs: {plan['warm_up_programs']} compiled per replica at warm-up, "
+        f"{len(plan['programs'])} of them here",
         f"  fits: {'yes' if plan['fits'] else 'NO'}"
         + (f" ({plan['reason']})" if plan["reason"] else ""),
     ]

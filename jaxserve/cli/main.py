@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     model, dtype, options = resolve_model_settings(args)
+    _check_before_serving(model, dtype, args.config, options)
     if not multihost.is_leader():
         from jaxserve.llm import LLM
 
@@ -97,9 +98,26 @@ def _serve(args: argparse.Namespace) -> int:
         model=model, served_model_name=served_names, dtype=dtype, config=args.config,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests, engine_options=options))
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout))
+    state.on_fatal = lambda: setattr(server, "should_exit", True)  # exit once it is closed
+    server.run()
+    if state.fatal_error:
+        print(f"jaxserve: error: {state.fatal_error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_before_serving(model: str, dtype: str | None, config: str | None,
+                          options: dict) -> None:
+    """Everything about the model and the options that can be known without reading weights
+    (folder, config.json, preset, option conflicts, the mesh): a `ValueError` here exits 2
+    before the socket opens, instead of a server that never becomes healthy."""
+    from jaxserve.engine.engine import engine_mesh
+    from jaxserve.llm import resolve_settings
+
+    engine_mesh(resolve_settings(model, dtype, config, options).engine_config)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -290,6 +290,7 @@ class Engine:
             totals.update(replica.scheduler.stats())
             totals.update(replica.allocator.stats())
             totals["compiles_after_warmup"] += replica.runner.compiles_after_warmup
+            totals["compiled_programs"] += replica.runner.num_programs
         usage = sum(r.allocator.usage for r in self.replicas) / len(self.replicas)
         return EngineStats(kv_cache_usage=usage, **totals)
 

@@ -26,6 +26,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     compiles_after_warmup: int = 0
+    compiled_programs: int = 0  # bucket programs the replicas hold (shared ones per replica)
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInp
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
+from jaxserve.engine.program_cache import compile_shared
 from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
 from jaxserve.model import LlamaModel
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -238,8 +239,13 @@ class Runner:
                         f"program {key} was not compiled at warm-up (strict_compile=True)")
                 self.compiles_after_warmup += 1
             jitted, args = self.program_inputs(kind, tokens, rows)
-            self._compiled[key] = jitted.lower(*args).compile()
+            self._compiled[key] = compile_shared(jitted.lower(*args), self.mesh.devices.flat)
         return self._compiled[key]
+
+    @property
+    def num_programs(self) -> int:
+        """Bucket programs compiled so far."""
+        return len(self._compiled)
 
     def bucket_programs(self) -> list[tuple[str, int, int]]:
         """Every program the bucket ladders can ask for."""

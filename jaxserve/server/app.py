@@ -2,9 +2,10 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (503 until the
-model is loaded and warmed up), `GET /metrics` (Prometheus). Errors use OpenAI's JSON shape
-and name the bad field. The model loads on a background thread after the socket is open, so
-orchestrators see the process alive while `/health` says whether it is ready.
+model is loaded and warmed up; 500 once it cannot serve, while the process exits), `GET
+/metrics` (Prometheus). Errors use OpenAI's JSON shape and name the bad field. The model
+loads on a background thread after the socket is open, so orchestrators see the process
+alive while `/health` says whether it is ready.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            offset = first.get("loc", (None, None))[-1]
+            return _error(400, f"request body is not valid JSON: {reason} (at character "
+                               f"{offset})")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request")
@@ -100,6 +106,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.fatal_error:  # shutting down: a supervisor should restart the process
+            return _error(500, state.fatal_error, error_type="server_error")
         if not state.ready:
             return _error(503, state.not_ready_reason(), error_type="service_unavailable")
         return {"status": "ok"}

@@ -17,7 +17,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_processor import StreamDelta, merge_deltas
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import Sequence, Status
 
 log = logging.getLogger("jaxserve.server")
 
@@ -122,7 +122,8 @@ class AsyncEngine:
                prompt: str | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
-        waiting = self.engine.stats().num_waiting
+        with self._lock:  # queued here but not yet in the scheduler count too
+            waiting = sum(seq.status is Status.WAITING for seq in self._sequences.values())
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)

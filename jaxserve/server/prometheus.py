@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.metrics import RequestStats
+from jaxserve.engine.program_cache import memory_mappings
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -52,6 +53,16 @@ class _EngineState:
         yield counter("jaxserve:compilations_after_warmup",
                       "Programs compiled after warm-up (each is a latency spike).",
                       stats.compiles_after_warmup)
+        yield gauge("jaxserve:compiled_programs",
+                    "Bucket programs this model's engine holds (compiled once per process "
+                    "and shared by engines with the same programs).", stats.compiled_programs)
+        mappings = memory_mappings()
+        if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
+            yield gauge("jaxserve:memory_mappings", "Memory mappings the process holds.",
+                        mappings[0])
+            yield gauge("jaxserve:memory_mappings_limit",
+                        "The kernel's limit on a process's memory mappings (vm.max_map_count).",
+                        mappings[1])
 
 
 class PrometheusMetrics:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Union
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,7 +66,7 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
 
     def as_template_message(self) -> dict:

@@ -46,7 +46,8 @@ class ServerState:
         self.llm: LLM | None = None
         self.engine: AsyncEngine | None = None
         self.prometheus: PrometheusMetrics | None = None
-        self.load_error: str | None = None
+        self.fatal_error: str | None = None  # why this server cannot serve; it exits
+        self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
 
     @property
@@ -54,9 +55,16 @@ class ServerState:
         return self.llm.engine_config.max_model_len if self.llm else None
 
     def not_ready_reason(self) -> str:
-        if self.load_error:
-            return f"model failed to load: {self.load_error}"
-        return "model is loading and compiling; retry shortly"
+        return self.fatal_error or "model is loading and compiling; retry shortly"
+
+    def fail(self, reason: str) -> None:
+        """Nothing more can be served (the model did not load, the engine broke): `/health`
+        answers 500 with `reason` from now on, and the process is asked to exit."""
+        self.ready = False
+        self.fatal_error = reason
+        log.error("cannot serve: %s; shutting down", reason)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def load(self) -> None:
         """Load the model, warm up, start the engine thread (runs on a loader thread)."""
@@ -69,7 +77,7 @@ class ServerState:
             log.info("model ready: %s", self.model_names[0])
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
-            self.load_error = str(err)
+            self.fail(f"model failed to load: {err}")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -35,7 +35,7 @@ seq_buckets = [4]
 """
 
 
-def start_server(*args) -> tuple[subprocess.Popen, str]:
+def start_server(*args, wait_healthy: bool = True) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *args],
@@ -51,7 +51,8 @@ def start_server(*args) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             return False
 
-    wait_until(healthy, 600, "server never became healthy", interval=0.5)
+    if wait_healthy:
+        wait_until(healthy, 600, "server never became healthy", interval=0.5)
     return process, url
 
 
@@ -115,5 +116,36 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
         assert "Finished server process" in log and "Traceback" not in log
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
+    finally:
+        stop(process)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/does/not/exist"], "is not a folder"),
+    (["--page-size", "7"], "page_size must be one of"),
+    (["--max-num-seqs", "600"], "max_num_batched_tokens (512) must be >= max_num_seqs (600)"),
+    (["--tensor-parallel-size", "64"], "tensor_parallel_size (64)"),
+], ids=["missing-model", "page-size", "conflict", "mesh"])
+def test_options_that_cannot_work_exit_2_before_serving(args, message):
+    """Checked before the socket opens: a non-zero exit within seconds, the reason on
+    stderr, not a server that answers 503 forever."""
+    process = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--port",
+                              str(free_port()), *args], capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode == 2
+    assert message in process.stderr and "Uvicorn running" not in process.stderr
+
+
+def test_a_model_that_fails_to_load_exits_non_zero(tmp_path):
+    """Past the checks (its config.json is fine) but its weights are not: the server exits 1
+    with the reason instead of staying up unhealthy."""
+    build_model("llama", tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    process, _ = start_server("--model", str(tmp_path), "--dtype", "float32",
+                              wait_healthy=False)
+    try:
+        assert process.wait(timeout=120) == 1
+        log = process.stdout.read()
+        assert "jaxserve: error: model failed to load" in log
     finally:
         stop(process)

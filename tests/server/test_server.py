@@ -121,6 +121,8 @@ BAD_INPUTS = [
      "messages.0.role"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
+     400, "messages.0.role"),
 ]
 
 
@@ -137,9 +139,11 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, path, body
 
 
 def test_malformed_json_and_oversized_body(server):
-    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
+    response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "x",, }',
                           headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None  # not a character offset
+    assert "not valid JSON" in error["message"]
     huge = httpx.post(f"{server.url}/v1/completions",
                       json={"model": NAME, "prompt": "x" * (5 << 20)})
     assert huge.status_code == 413 and "error" in huge.json()
@@ -183,6 +187,53 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, 30,
                "pages not freed")
     wait_until(lambda: server.state.engine.num_in_flight == 0, 30, "request state leaked")
+
+
+def test_non_streaming_request_whose_client_leaves_is_aborted(server):
+    engine = server.state.llm.engine
+    body = {"model": NAME, "prompt": "wait for me", "max_tokens": 100, "ignore_eos": True}
+    aborted_before = engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
+    server.state.engine.on_step = lambda deltas: time.sleep(0.1)  # outlast the client
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+        wait_until(lambda: engine.metrics.snapshot()["finished_by_reason"].get("abort", 0)
+                   > aborted_before, 30, "request was not aborted")
+    finally:
+        server.state.engine.on_step = None
+    wait_until(lambda: server.state.engine.num_in_flight == 0, 30, "request state leaked")
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_waiting_limit_is_exact_under_a_burst(server):
+    """The engine is held inside a step, so nothing moves from the queue: of a burst of 12,
+    exactly `max_waiting` are accepted and the rest get 429."""
+    served, release = server.state.engine, threading.Event()
+    served.on_step = lambda deltas: release.wait(30)
+    first = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                             kwargs=dict(json={"model": NAME, "prompt": "hold", "max_tokens": 3},
+                                         timeout=60))
+    first.start()
+    wait_until(lambda: served.engine.stats().num_running == 1, 30, "first request not running")
+    served.max_waiting = 2
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def one():
+                return await http.post(f"{server.url}/v1/completions",
+                                       json={"model": NAME, "prompt": "x", "max_tokens": 2})
+            pending = [asyncio.ensure_future(one()) for _ in range(12)]
+            await asyncio.sleep(1.0)  # all 12 are answered or queued by now
+            release.set()
+            return [r.status_code for r in await asyncio.gather(*pending)]
+
+    try:
+        codes = asyncio.run(burst())
+    finally:
+        release.set()
+        served.on_step, served.max_waiting = None, 1024
+        first.join(timeout=60)
+    assert sorted(codes) == [200] * 2 + [429] * 10
 
 
 def test_200_requests_at_32_concurrent_streams(server):
