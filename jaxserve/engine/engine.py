@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import logging
 import queue
 import time
 from typing import Iterable
@@ -58,6 +59,15 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import shard_model, stack_layers
+
+
+log = logging.getLogger("jaxserve.engine")
+
+MAX_CONSECUTIVE_FAILURES = 3  # failed steps in a row after which the engine gives up
+
+
+class EngineFailedError(RuntimeError):
+    """The engine cannot serve any more (`Engine.failure` says why); restart the process."""
 
 
 def _without_logprobs(pending):
@@ -136,6 +146,8 @@ class Engine:
         self._owners: dict[str, Replica] = {}  # request id → the replica serving it
         self._seed_rng = np.random.default_rng(0)
         self._stopped = False
+        self.consecutive_failures = 0  # failed steps since the last one that completed
+        self.failure: str | None = None  # why the engine gave up; set once, for good
         if multihost.is_multiprocess() and multihost.is_leader():
             atexit.register(self.shutdown)  # followers must not outlive the leader
 
@@ -196,7 +208,7 @@ class Engine:
             elif item in self._owners:
                 seq = self._owners[item].scheduler.abort(item)
                 if seq is not None:
-                    deltas.append(self._finish_aborted(seq))
+                    deltas.append(self._finish_as(seq, "abort"))
         return deltas
 
     # ---- stepping -----------------------------------------------------------------------
@@ -206,21 +218,63 @@ class Engine:
         what each request gained. A decode loop is read at once (how many tokens it made
         decides the next step), and so is a step with penalty rows (their token counts need
         the tokens on the host)."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         deltas = self._drain_inbox()
         dispatched = []
         for replica in self.replicas:  # dispatch all before fetching any
             previous, replica.in_flight = replica.in_flight, None
-            if previous is not None and previous.needs_host_tokens:
-                deltas += self._complete(replica, previous)
-                previous = None
-            dispatched.append((replica, previous, self._dispatch(replica)))
+            try:
+                if previous is not None and previous.needs_host_tokens:
+                    deltas += self._complete(replica, previous)
+                    previous = None
+                dispatched.append((replica, previous, self._dispatch(replica)))
+            except Exception as err:  # noqa: BLE001 - fails that step's requests only
+                deltas += self._recover(replica, err, previous)
         for replica, previous, flight in dispatched:
-            if previous is not None:
-                deltas += self._complete(replica, previous)
-            if flight is not None and flight.placeholders is None:
-                deltas += self._complete(replica, flight)
-            else:
-                replica.in_flight = flight
+            try:
+                if previous is not None:
+                    deltas += self._complete(replica, previous)
+                    previous = None
+                if flight is not None and flight.placeholders is None:
+                    deltas += self._complete(replica, flight)
+                else:
+                    replica.in_flight = flight
+            except Exception as err:  # noqa: BLE001
+                deltas += self._recover(replica, err, previous, flight)
+        return deltas
+
+    def _recover(self, replica: Replica, err: Exception,
+                 *flights: InFlight | None) -> list[StreamDelta]:
+        """A step of `replica` raised: the requests of the steps it had under way (and the one
+        it was scheduling) finish with reason "error" and free their pages; if the KV cache
+        did not survive, it is rebuilt and the replica's other requests recompute. After
+        `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine gives up for good
+        (`failure`, then `EngineFailedError` from every `step()`)."""
+        log.error("engine step failed; failing its requests", exc_info=err)
+        self.consecutive_failures += 1
+        replica.in_flight = None
+        plans = [f.plan for f in flights if f is not None] + [replica.scheduling]
+        replica.scheduling = None
+        deltas = []
+        try:
+            failed = {id(c.seq): c.seq for plan in plans if plan is not None
+                      for c in plan.chunks}
+            for seq in failed.values():
+                if seq.status is not Status.FINISHED:
+                    replica.scheduler.fail(seq)
+                    deltas.append(self._finish_as(seq, "error"))
+            if not replica.runner.caches_usable():
+                log.error("the KV cache was lost with the failed step; rebuilding it")
+                replica.runner.reset_caches()
+                replica.allocator.forget_all()
+                replica.scheduler.restart_running()
+        except Exception as during:  # noqa: BLE001 - recovery itself failed
+            self.failure = f"could not recover from a failed step ({err!r}): {during!r}"
+        if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            self.failure = f"{self.consecutive_failures} steps failed in a row; last: {err!r}"
+        if self.failure is not None:
+            raise EngineFailedError(self.failure) from err
         return deltas
 
     def _dispatch(self, replica: Replica) -> InFlight | None:
@@ -229,11 +283,13 @@ class Engine:
         plan = replica.scheduler.schedule()
         if not plan.chunks:
             return None
+        replica.scheduling = plan  # until it is in flight: whose requests fail if this raises
         inp = build_step_input(plan, self.config)
         started = time.monotonic()
         pending = self._launch(replica.runner, plan, inp)
         single = not plan.decode_only or plan.num_decode_steps == 1
         placeholders = replica.scheduler.advance(plan) if single else None
+        replica.scheduling = None
         return InFlight(plan, inp, pending, started, placeholders)
 
     def _complete(self, replica: Replica, flight: InFlight) -> list[StreamDelta]:
@@ -255,6 +311,7 @@ class Engine:
             updates = replica.scheduler.complete(plan, result.tokens[:rows, 0].tolist(),
                                                  flight.placeholders)
         deltas = [self._output(replica, update, result) for update in updates]
+        self.consecutive_failures = 0
         self.metrics.record_step(StepRecord(
             num_seqs=rows, num_tokens=plan.num_tokens,
             padded_tokens=int(flight.inp.token_ids.shape[0]),
@@ -327,10 +384,11 @@ class Engine:
             self._stopped = True
             multihost.send_stop()
 
-    def _finish_aborted(self, seq: Sequence) -> StreamDelta:
+    def _finish_as(self, seq: Sequence, reason: str) -> StreamDelta:
+        """The final delta of a request that ended outside a step ("abort", "error")."""
         self._owners.pop(seq.request_id, None)
         self.metrics.record_finished(seq)
-        return self._processors[seq.request_id].delta([], "abort")
+        return self._processors[seq.request_id].delta([], reason)
 
     def pop_output(self, seq: Sequence) -> RequestOutput:
         """The final output of a finished request; forgets its text state."""

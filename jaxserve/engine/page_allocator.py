@@ -81,6 +81,22 @@ class PageAllocator:
                 else:
                     self._free.append(page)
 
+    def forget(self, pages: list[int]) -> None:
+        """Take `pages` out of the prefix cache (their contents are not to be trusted); an
+        unreferenced one becomes free."""
+        for page in pages:
+            key = self._hash_of_page.pop(page, None)
+            if key is None:
+                continue
+            del self._page_of_hash[key]
+            if page in self._evictable:
+                del self._evictable[page]
+                self._free.append(page)
+
+    def forget_all(self) -> None:
+        """Empty the prefix cache (the KV cache behind it was lost)."""
+        self.forget(list(self._hash_of_page))
+
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Cached pages of the longest prefix of `token_ids` made of full pages, with their
         keys; the pages are referenced for the caller. At least one token is left

@@ -52,6 +52,7 @@ class Replica:
     scheduler: Scheduler
     runner: Runner
     in_flight: InFlight | None = None
+    scheduling: SchedulerOutput | None = None  # scheduled, not yet in flight
 
     @property
     def load(self) -> int:

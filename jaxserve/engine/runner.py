@@ -89,8 +89,10 @@ class Runner:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
                                           embed.dtype, model.scan_layers, cache_sh)
         else:
-            self.caches = allocate_kv_cache(model.config, num_pages, config.page_size,
-                                            embed.dtype, cache_sh, model.scan_layers)
+            self._allocate_caches = functools.partial(
+                allocate_kv_cache, model.config, num_pages, config.page_size, embed.dtype,
+                cache_sh, model.scan_layers)
+            self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
         rep = self.replicated
@@ -260,6 +262,22 @@ class Runner:
                         disable=not progress):
             self.program(*key)
         self.warmed_up = True
+
+    # ---- after a failed step -------------------------------------------------------------
+    def caches_usable(self) -> bool:
+        """Whether the KV cache and the last sampled tokens survived a failed step (a program
+        that failed on device leaves its donated inputs deleted or its outputs poisoned)."""
+        arrays = jax.tree.leaves((self.caches, self.last_tokens))
+        try:
+            jax.block_until_ready(arrays)
+        except Exception:  # noqa: BLE001 - any failure to materialize means lost
+            return False
+        return not any(a.is_deleted() for a in arrays)
+
+    def reset_caches(self) -> None:
+        """A fresh, zeroed KV cache and last-token buffer (every cached token is lost)."""
+        self.caches = self._allocate_caches()
+        self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
 
     # ---- running ------------------------------------------------------------------------
     def empty_input(self, tokens: int, rows: int) -> StepInput:

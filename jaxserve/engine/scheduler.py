@@ -101,6 +101,23 @@ class Scheduler:
                     return seq
         return None
 
+    def fail(self, seq: Sequence) -> None:
+        """A step serving `seq` failed: it finishes with reason "error", and its pages, whose
+        contents that step may have left half-written, leave the prefix cache."""
+        self.allocator.forget(seq.pages)
+        self._finish(seq, "error")
+
+    def restart_running(self) -> None:
+        """The KV cache was lost: every running sequence returns to the front of the queue
+        and recomputes its tokens, as if preempted."""
+        for seq in reversed(list(self.running)):
+            self.running.remove(seq)
+            while seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
+                seq.output_token_ids.pop()  # sampled by the lost step
+            self._release(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished and release its pages (cached pages stay in the LRU)."""
         for queue in (self.running, self.waiting):

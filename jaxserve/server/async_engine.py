@@ -27,17 +27,19 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the request cannot complete."""
+    """The engine failed this request (its step raised, or the engine gave up); HTTP 500."""
 
 
 class AsyncEngine:
     """Bridges the engine thread and asyncio request handlers."""
 
     def __init__(self, engine: Engine, max_waiting: int,
-                 on_step: Callable[[list[StreamDelta]], None] | None = None):
+                 on_step: Callable[[list[StreamDelta]], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step  # called on the engine thread after every step
+        self.on_failure = on_failure  # called once if the engine gives up, with the reason
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sequences: dict[str, Sequence] = {}
         self._lock = threading.Lock()
@@ -67,11 +69,13 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                deltas = self.engine.step()
-            except Exception:  # noqa: BLE001 - a failed step must not kill the server silently
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all()
-                continue
+                deltas = self.engine.step()  # a failed step fails only its own requests
+            except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
+                log.exception("the engine cannot serve any more; failing every request")
+                self._fail_all(str(err))
+                if self.on_failure is not None:
+                    self.on_failure(f"the engine failed: {err}")
+                return
             if self.on_step is not None:
                 self.on_step(deltas)
             self._deliver(deltas)
@@ -110,12 +114,11 @@ class AsyncEngine:
         if seq is not None:
             self.engine.pop_output(seq)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, reason: str) -> None:
         with self._lock:
             targets = list(self._streams.items())
         for request_id, (loop, queue) in targets:
-            self.engine.abort(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError("engine step failed"))
+            loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(reason))
 
     # ---- handler side -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -151,6 +154,10 @@ class AsyncEngine:
                     raise failures[0]
                 delta = merge_deltas(items)
                 finished = delta.finished
+                if delta.finish_reason == "error":
+                    self._collect_orphan(request_id)
+                    raise EngineDeadError("the engine step serving this request failed; "
+                                          "its other requests carry on")
                 yield delta
         finally:
             with self._lock:

@@ -71,7 +71,8 @@ class ServerState:
         try:
             self.llm = self._load(self.options)
             self.prometheus = PrometheusMetrics(self.llm.engine, self.model_names[0])
-            self.engine = AsyncEngine(self.llm.engine, self.options.max_waiting_requests)
+            self.engine = AsyncEngine(self.llm.engine, self.options.max_waiting_requests,
+                                      on_failure=self.fail)
             self.engine.start()
             self.ready = True
             log.info("model ready: %s", self.model_names[0])

@@ -1,0 +1,66 @@
+"""Engine faults seen over HTTP: a failed step answers its requests with a 500 in OpenAI's
+error shape (an error event in a stream) while the server goes on serving; an engine that
+gives up turns `/health` to 500 so that a supervisor restarts the process."""
+
+import json
+
+import httpx
+import pytest
+
+from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
+from jaxserve.server.state import ServerOptions, ServerState
+from server_helpers import ThreadedServer, wait_until
+from tiny_models import SMALL_ENGINE
+
+BODY = {"prompt": [0, 5, 6], "max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture
+def server(folder):
+    state = ServerState(ServerOptions(model=str(folder), dtype="float32",
+                                      engine_options=SMALL_ENGINE))
+    running = ThreadedServer(state).start()
+    running.wait_ready()
+    yield running
+    running.stop()
+
+
+def fail_next_launches(server, monkeypatch, count: int) -> None:
+    runner = server.state.llm.engine.runner
+    left = [count]
+    for name in ("launch_step", "launch_decode"):
+        launch = getattr(runner, name)
+
+        def maybe_failing(*args, launch=launch):
+            if left[0] > 0:
+                left[0] -= 1
+                raise RuntimeError("injected fault")
+            return launch(*args)
+        monkeypatch.setattr(runner, name, maybe_failing)
+
+
+def test_a_failed_step_is_a_500_and_the_server_goes_on(server, monkeypatch):
+    fail_next_launches(server, monkeypatch, 1)
+    failed = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    fail_next_launches(server, monkeypatch, 1)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**BODY, "stream": True},
+                      timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    ok = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    engine = server.state.llm.engine
+    wait_until(lambda: engine.stats().kv_cache_usage == 0.0, 30, "pages not freed")
+    assert server.state.engine.num_in_flight == 0
+
+
+def test_an_engine_that_gives_up_fails_health(server, monkeypatch):
+    fail_next_launches(server, monkeypatch, 10**6)
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        response = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60)
+        assert response.status_code == 500
+    wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 500, 30,
+               "health still passes after the engine gave up")
+    assert "engine failed" in httpx.get(f"{server.url}/health").json()["error"]["message"]
