@@ -12,6 +12,7 @@ from jaxserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top log-probabilities computed on device per token
 OUTPUT_KINDS = ("delta", "final_only")  # vLLM's RequestOutputKind.DELTA / FINAL_ONLY
+INT32_MAX = 2**31 - 1  # the largest top_k: the engine packs it into int32 device arrays
 
 
 @dataclasses.dataclass
@@ -52,9 +53,10 @@ class SamplingParams:
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
+        if self.top_k < -1 or self.top_k > INT32_MAX:  # the device arrays hold int32
             raise InvalidRequestError(
-                "top_k", f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
+                "top_k", f"top_k must be -1 (disabled) or a positive integer up to "
+                         f"{INT32_MAX}, got {self.top_k}")
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)

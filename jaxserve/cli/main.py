@@ -96,7 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
         served_names = [DEFAULT_MODEL_NAME]
     state = ServerState(ServerOptions(
         model=model, served_model_name=served_names, dtype=dtype, config=args.config,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
+        max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests, engine_options=options))
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--metrics-need-api-key", action="store_true",
+                       help="require the API key on /metrics too (default: open, for scrapers)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the model path)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)

@@ -51,6 +51,7 @@ from jaxserve.model import LlamaModel
 from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.program_cache import warn_near_mapping_limit
 from jaxserve.engine.replica import InFlight, Replica, on_mesh
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampler import SampleResult
@@ -140,6 +141,7 @@ class Engine:
             runner.warm_up(progress)
             self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
         self.runner = self.replicas[0].runner
+        warn_near_mapping_limit()
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._processors: dict[str, OutputProcessor] = {}

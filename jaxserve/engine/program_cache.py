@@ -13,6 +13,7 @@ last runner holding it goes. `memory_mappings()` says how close the process is t
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import weakref
 from pathlib import Path
@@ -22,6 +23,7 @@ import jax
 _PROGRAMS: "weakref.WeakValueDictionary[str, jax.stages.Compiled]" = (
     weakref.WeakValueDictionary())
 _LOCK = threading.Lock()
+log = logging.getLogger("jaxserve.engine")
 
 
 def program_key(lowered: jax.stages.Lowered, devices) -> str:
@@ -46,6 +48,16 @@ def compile_shared(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
 def process_programs() -> int:
     """Compiled bucket programs alive in this process (shared ones counted once)."""
     return len(_PROGRAMS)
+
+
+def warn_near_mapping_limit(fraction: float = 0.8) -> None:
+    """Log a warning when the process holds more than `fraction` of its mapping limit: one
+    more engine with programs of its own may then abort the process."""
+    mappings = memory_mappings()
+    if mappings is not None and mappings[0] > fraction * mappings[1]:
+        log.warning("this process holds %d of its %d memory mappings (vm.max_map_count); "
+                    "each further engine with programs of its own adds hundreds per program",
+                    *mappings)
 
 
 def memory_mappings() -> tuple[int, int] | None:

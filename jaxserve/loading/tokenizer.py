@@ -16,6 +16,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxserve.errors import InvalidRequestError
+
 
 def _token_text(value: Any) -> str | None:
     """A special token as `tokenizer_config.json` writes it: a string or an AddedToken dict."""
@@ -71,9 +73,16 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda value, indent=None: json.dumps(
             value, indent=indent, ensure_ascii=False)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.exceptions.SecurityError as err:  # the sandbox refused it
+            raise InvalidRequestError("messages", f"the chat template was refused by the "
+                                      f"sandbox: {err}") from None
+        except jinja2.TemplateError as err:  # the template rejects these messages
+            raise InvalidRequestError("messages", f"the chat template failed: {err}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat prompt; the template writes its own special tokens."""

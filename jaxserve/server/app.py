@@ -113,7 +113,9 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if state.metrics_need_api_key:
+            await check_api_key(request)
         if not state.ready:
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.prometheus.render(), media_type="text/plain; version=0.0.4")
@@ -147,21 +149,36 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 class BodySizeLimit:
-    """Answers 413 when a request's declared body exceeds `max_bytes`. A plain ASGI
-    middleware: Starlette's `BaseHTTPMiddleware` would wrap every streamed chunk in an extra
-    task and memory stream."""
+    """Answers 413 when a request's body exceeds `max_bytes`: at once when its
+    Content-Length says so, else (a chunked body) as soon as the bytes received pass it, so
+    no body larger than the limit is ever buffered. A plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` would wrap every streamed chunk in an extra task and memory
+    stream."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_bytes:
-                response = _error(413, f"request body of {int(length)} bytes exceeds the "
-                                       f"limit of {self.max_bytes} bytes")
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = _error(413, f"request body of {int(length)} bytes exceeds the limit "
+                                   f"of {self.max_bytes} bytes")
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI re-raises HTTPException as is
+                    raise StarletteHTTPException(413, f"request body exceeds the limit of "
+                                                      f"{self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _unless_disconnected(request: Request, work):

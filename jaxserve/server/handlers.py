@@ -50,10 +50,17 @@ class Job:
                 max_tokens = self.max_tokens(len(ids))
                 for j in range(body.n):
                     self._submit(prompt_index * body.n + j, text, ids, max_tokens, j)
-        except Exception:
+        except Exception as err:
             for choice in self.choices:
                 self.engine.cancel(choice.request_id)
+            if isinstance(err, InvalidRequestError):
+                err.field = self.param(err.field)
             raise
+
+    def param(self, field: str | None) -> str | None:
+        """The request field that an error about engine-level `field` names (OpenAI's
+        `param`): one the client sent."""
+        return field
 
     def prompts(self) -> list[tuple[str | None, list[int]]]:
         raise NotImplementedError
@@ -254,6 +261,15 @@ class ChatJob(Job):
 
     def requested_max_tokens(self):
         return self.body.max_completion_tokens or self.body.max_tokens
+
+    def param(self, field):
+        """A chat request has messages, not a prompt, and may give its token limit as
+        max_completion_tokens."""
+        if field == "prompt":
+            return "messages"
+        if field == "max_tokens" and self.body.max_completion_tokens:
+            return "max_completion_tokens"
+        return field
 
     def logprobs_count(self):
         return (self.body.top_logprobs or 0) if self.body.logprobs else None

@@ -3,7 +3,8 @@
 Fields follow OpenAI's `/v1/completions` and `/v1/chat/completions`, plus vLLM's sampling
 extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Unknown
 fields are ignored, as OpenAI clients send ones this server has no use for. Range checks live
-in `SamplingParams`, so the API and Python share one set of rules.
+in `SamplingParams`, so the API and Python share one set of rules; what is checked here is what
+JSON can carry and Python cannot serve (lone surrogates, NaN, ints past the device's int32).
 """
 
 from __future__ import annotations
@@ -12,9 +13,32 @@ import time
 import uuid
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import INT32_MAX, SamplingParams
+
+
+def valid_unicode(value):
+    """`value`, if no string in it (lists and dict values included) holds a lone surrogate.
+
+    JSON escapes such as "\\ud800" decode to lone surrogates, which neither the tokenizer nor a
+    UTF-8 response body can hold: they raised TypeError / UnicodeEncodeError (HTTP 500). The
+    walk is iterative because JSON can nest as deep as the recursion limit.
+    """
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"not valid Unicode: lone surrogate "
+                                 f"\\u{ord(item[err.start]):04x}") from None
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -22,9 +46,10 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields shared by both endpoints."""
+    """Sampling fields shared by both endpoints. NaN and infinities are refused: they pass every
+    range check (comparisons with NaN are false) and would sample garbage."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -37,11 +62,13 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    top_k: int = -1
+    top_k: int = Field(default=-1, le=INT32_MAX)  # larger failed the engine step (HTTP 500)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         index: int) -> SamplingParams:
@@ -63,18 +90,26 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts reach the model."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None  # typed: a text that is no string failed the join (HTTP 500)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
     def as_template_message(self) -> dict:
         """{"role", "content"} with content parts ({"type": "text", ...}) joined to text."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content
-                              if part.get("type") == "text")
+            content = "".join(part.text or "" for part in content if part.type == "text")
         return {"role": self.role, "content": content or ""}
 
 

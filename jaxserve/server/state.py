@@ -26,6 +26,7 @@ class ServerOptions:
     dtype: str | None = None  # None: the preset's, else "auto"
     config: str | None = None  # deployment preset; None: cpu.toml on CPU
     api_key: str | None = None
+    metrics_need_api_key: bool = False  # /metrics behind the API key too
     max_body_bytes: int = 4 << 20
     max_waiting_requests: int = 1024
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -38,6 +39,7 @@ class ServerState:
                  load: Callable[[ServerOptions], LLM] | None = None):
         self.options = options
         self.api_key = options.api_key
+        self.metrics_need_api_key = options.metrics_need_api_key
         self.max_body_bytes = options.max_body_bytes
         self.model_names = options.served_model_name or [options.model]
         self.created = int(time.time())

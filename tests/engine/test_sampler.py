@@ -89,7 +89,8 @@ def test_different_seeds_give_different_tokens():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2**31),
+    ("min_p", 2.0),
     ("max_tokens", 0), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", ["a"]),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("logprobs", 21),

@@ -5,6 +5,7 @@ import json
 import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 
+from jaxserve.errors import InvalidRequestError
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from tiny_models import build_tokenizer
 
@@ -54,12 +55,15 @@ def test_chat_template_is_sandboxed(tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(SecurityError):
+    with pytest.raises(InvalidRequestError, match="refused by the sandbox") as refused:
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+    assert isinstance(refused.value.__context__, SecurityError)
+    assert refused.value.field == "messages"
     config["chat_template"] = "{{ raise_exception('no system role') }}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(TemplateError, match="no system role"):
+    with pytest.raises(InvalidRequestError, match="no system role") as failed:
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+    assert isinstance(failed.value.__context__, TemplateError)
 
 
 def test_bad_messages_and_missing_files(tokenizer, tmp_path):
