@@ -81,6 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.server.app import create_app
     from jaxserve.server.state import ServerOptions, ServerState
 
+    if args.metrics_need_api_key and not args.api_key:
+        raise ValueError("--metrics-need-api-key needs --api-key (the key /metrics would ask)")
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     model, dtype, options = resolve_model_settings(args)
     _check_before_serving(model, dtype, args.config, options)

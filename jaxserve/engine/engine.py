@@ -148,8 +148,7 @@ class Engine:
         self._owners: dict[str, Replica] = {}  # request id → the replica serving it
         self._seed_rng = np.random.default_rng(0)
         self._stopped = False
-        self.consecutive_failures = 0  # failed steps since the last one that completed
-        self.failure: str | None = None  # why the engine gave up; set once, for good
+        self.failure: str | None = None  # why the engine gave up, for good
         if multihost.is_multiprocess() and multihost.is_leader():
             atexit.register(self.shutdown)  # followers must not outlive the leader
 
@@ -228,56 +227,62 @@ class Engine:
             previous, replica.in_flight = replica.in_flight, None
             try:
                 if previous is not None and previous.needs_host_tokens:
-                    deltas += self._complete(replica, previous)
+                    self._complete(replica, previous, deltas)
                     previous = None
                 dispatched.append((replica, previous, self._dispatch(replica)))
             except Exception as err:  # noqa: BLE001 - fails that step's requests only
-                deltas += self._recover(replica, err, previous)
+                self._recover(replica, err, deltas, previous)
         for replica, previous, flight in dispatched:
             try:
                 if previous is not None:
-                    deltas += self._complete(replica, previous)
+                    self._complete(replica, previous, deltas)
                     previous = None
                 if flight is not None and flight.placeholders is None:
-                    deltas += self._complete(replica, flight)
+                    self._complete(replica, flight, deltas)
                 else:
                     replica.in_flight = flight
             except Exception as err:  # noqa: BLE001
-                deltas += self._recover(replica, err, previous, flight)
+                self._recover(replica, err, deltas, previous, flight)
         return deltas
 
-    def _recover(self, replica: Replica, err: Exception,
-                 *flights: InFlight | None) -> list[StreamDelta]:
+    def _recover(self, replica: Replica, err: Exception, deltas: list[StreamDelta],
+                 *flights: InFlight | None) -> None:
         """A step of `replica` raised: the requests of the steps it had under way (and the one
-        it was scheduling) finish with reason "error" and free their pages; if the KV cache
-        did not survive, it is rebuilt and the replica's other requests recompute. After
-        `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine gives up for good
-        (`failure`, then `EngineFailedError` from every `step()`)."""
+        it was scheduling) that have not had their final delta finish with reason "error"
+        (appended to `deltas`) and free their pages; if the KV cache did not survive, it is
+        rebuilt and the replica's other requests recompute. The engine gives up for good
+        (`failure`, then `EngineFailedError` from every `step()`) after
+        `MAX_CONSECUTIVE_FAILURES` failed steps in a row on one replica, when recovering
+        fails, or at once on several processes (the followers cannot be brought back in
+        step)."""
         log.error("engine step failed; failing its requests", exc_info=err)
-        self.consecutive_failures += 1
+        replica.consecutive_failures += 1
         replica.in_flight = None
         plans = [f.plan for f in flights if f is not None] + [replica.scheduling]
         replica.scheduling = None
-        deltas = []
+        reason = None
         try:
             failed = {id(c.seq): c.seq for plan in plans if plan is not None
-                      for c in plan.chunks}
+                      for c in plan.chunks if c.seq.request_id in self._owners}
             for seq in failed.values():
                 if seq.status is not Status.FINISHED:
                     replica.scheduler.fail(seq)
-                    deltas.append(self._finish_as(seq, "error"))
+                seq.finish_reason = "error"  # also one the step finished before it raised
+                deltas.append(self._finish_as(seq, "error"))
             if not replica.runner.caches_usable():
                 log.error("the KV cache was lost with the failed step; rebuilding it")
                 replica.runner.reset_caches()
                 replica.allocator.forget_all()
                 replica.scheduler.restart_running()
         except Exception as during:  # noqa: BLE001 - recovery itself failed
-            self.failure = f"could not recover from a failed step ({err!r}): {during!r}"
-        if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-            self.failure = f"{self.consecutive_failures} steps failed in a row; last: {err!r}"
-        if self.failure is not None:
-            raise EngineFailedError(self.failure) from err
-        return deltas
+            reason = f"could not recover from a failed step ({err!r}): {during!r}"
+        if reason is None and multihost.is_multiprocess():
+            reason = f"a step failed in a multi-host run: {err!r}"
+        if reason is None and replica.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            reason = f"{replica.consecutive_failures} steps failed in a row; last: {err!r}"
+        if reason is not None:
+            self.failure = reason
+            raise EngineFailedError(reason) from err
 
     def _dispatch(self, replica: Replica) -> InFlight | None:
         """Schedule and launch a replica's next step (None if it has no work); a single step
@@ -294,8 +299,9 @@ class Engine:
         replica.scheduling = None
         return InFlight(plan, inp, pending, started, placeholders)
 
-    def _complete(self, replica: Replica, flight: InFlight) -> list[StreamDelta]:
-        """Read a dispatched step's results and book them; the requests' deltas."""
+    def _complete(self, replica: Replica, flight: InFlight, deltas: list[StreamDelta]) -> None:
+        """Read a dispatched step's results and book them; the requests' deltas go on
+        `deltas` as they are made (a failure part-way keeps those already made)."""
         plan, rows = flight.plan, len(flight.plan.chunks)
         pending = flight.pending
         if all(c.seq.params.logprobs is None for c in plan.chunks):
@@ -312,14 +318,14 @@ class Engine:
         else:
             updates = replica.scheduler.complete(plan, result.tokens[:rows, 0].tolist(),
                                                  flight.placeholders)
-        deltas = [self._output(replica, update, result) for update in updates]
-        self.consecutive_failures = 0
+        for update in updates:
+            deltas.append(self._output(replica, update, result))
+        replica.consecutive_failures = 0
         self.metrics.record_step(StepRecord(
             num_seqs=rows, num_tokens=plan.num_tokens,
             padded_tokens=int(flight.inp.token_ids.shape[0]),
             num_decode_steps=plan.num_decode_steps, kv_cache_usage=replica.allocator.usage,
             duration=time.monotonic() - flight.started))
-        return deltas
 
     def _output(self, replica: Replica, update: SequenceUpdate,
                 result: SampleResult) -> StreamDelta:

@@ -30,6 +30,7 @@ def program_key(lowered: jax.stages.Lowered, devices) -> str:
     """What identifies a compiled program: its StableHLO text and its devices' ids, in mesh
     order (two meshes over different devices lower to the same text)."""
     digest = hashlib.sha256(lowered.as_text().encode())
+    digest.update(repr((lowered.in_tree, lowered.out_tree)).encode())  # how it is called
     digest.update(repr([(d.platform, d.id) for d in devices]).encode())
     return digest.hexdigest()
 
@@ -39,9 +40,10 @@ def compile_shared(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
     key = program_key(lowered, devices)
     with _LOCK:
         compiled = _PROGRAMS.get(key)
-        if compiled is None:
-            compiled = lowered.compile()
-            _PROGRAMS[key] = compiled
+    if compiled is None:  # compiled outside the lock: other programs need not wait
+        compiled = lowered.compile()
+        with _LOCK:  # two engines compiling it at once keep the first
+            compiled = _PROGRAMS.setdefault(key, compiled)
     return compiled
 
 

@@ -53,6 +53,7 @@ class Replica:
     runner: Runner
     in_flight: InFlight | None = None
     scheduling: SchedulerOutput | None = None  # scheduled, not yet in flight
+    consecutive_failures: int = 0  # failed steps since its last step that completed
 
     @property
     def load(self) -> int:

@@ -102,8 +102,9 @@ class Scheduler:
         return None
 
     def fail(self, seq: Sequence) -> None:
-        """A step serving `seq` failed: it finishes with reason "error", and its pages, whose
-        contents that step may have left half-written, leave the prefix cache."""
+        """A step serving `seq` failed: it finishes with reason "error". Its pages leave the
+        prefix cache: a single step is booked (and its filled pages keyed) when it is
+        dispatched, so a key may name a page the failed step never wrote."""
         self.allocator.forget(seq.pages)
         self._finish(seq, "error")
 

@@ -45,6 +45,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._dead: str | None = None  # why the engine thread gave up
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -72,9 +73,9 @@ class AsyncEngine:
                 deltas = self.engine.step()  # a failed step fails only its own requests
             except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
                 log.exception("the engine cannot serve any more; failing every request")
-                self._fail_all(str(err))
                 if self.on_failure is not None:
                     self.on_failure(f"the engine failed: {err}")
+                self._fail_all(str(err))
                 return
             if self.on_step is not None:
                 self.on_step(deltas)
@@ -116,6 +117,7 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
+            self._dead = reason  # later submits fail at once
             targets = list(self._streams.items())
         for request_id, (loop, queue) in targets:
             loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(reason))
@@ -125,7 +127,9 @@ class AsyncEngine:
                prompt: str | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
-        with self._lock:  # queued here but not yet in the scheduler count too
+        with self._lock:  # counted here: queued requests the scheduler has not seen yet too
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
             waiting = sum(seq.status is Status.WAITING for seq in self._sequences.values())
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")

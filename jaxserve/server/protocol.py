@@ -15,7 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxserve.sampling_params import INT32_MAX, SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 
 def valid_unicode(value):
@@ -62,7 +62,7 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    top_k: int = Field(default=-1, le=INT32_MAX)  # larger failed the engine step (HTTP 500)
+    top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
@@ -102,7 +102,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
 
     def as_template_message(self) -> dict:

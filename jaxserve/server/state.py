@@ -62,8 +62,8 @@ class ServerState:
     def fail(self, reason: str) -> None:
         """Nothing more can be served (the model did not load, the engine broke): `/health`
         answers 500 with `reason` from now on, and the process is asked to exit."""
-        self.ready = False
         self.fatal_error = reason
+        self.ready = False
         log.error("cannot serve: %s; shutting down", reason)
         if self.on_fatal is not None:
             self.on_fatal()
