@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -10,7 +11,7 @@ import httpx
 import uvicorn
 
 from jaxserve.server.app import create_app
-from jaxserve.server.state import ServerState
+from jaxserve.server.state import ServerOptions, ServerState
 
 
 def free_port() -> int:
@@ -43,6 +44,17 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def serving(options: ServerOptions):
+    """A ready `ThreadedServer` of `options` for the block; stopped after it."""
+    running = ThreadedServer(ServerState(options)).start()
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.stop()
 
 
 def wait_until(condition, timeout: float, message: str, interval: float = 0.05) -> None:

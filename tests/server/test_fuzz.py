@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
 from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import ThreadedServer
+from server_helpers import serving
 from tiny_models import SMALL_ENGINE, VOCAB
 
 NAME = "tiny"
@@ -233,12 +233,10 @@ def short(body) -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    state = ServerState(ServerOptions(model=str(folder), served_model_name=[NAME],
-                                      dtype="float32", engine_options=ENGINE))
-    running = ThreadedServer(state).start()
-    running.wait_ready()
-    yield running
-    running.stop()
+    options = ServerOptions(model=str(folder), served_model_name=[NAME],
+                            dtype="float32", engine_options=ENGINE)
+    with serving(options) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 
 from jaxserve.cli.main import build_parser
 from jaxserve.server import app as app_module
-from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import ThreadedServer
+from jaxserve.server.state import ServerOptions
+from server_helpers import serving
 from tiny_models import SMALL_ENGINE, build_model
 
 NAME, KEY = "tiny", "not-a-real-key-0123"
@@ -30,13 +30,11 @@ def server(tmp_path_factory):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config,
                                                               "chat_template": ESCAPE}))
-    state = ServerState(ServerOptions(model=str(folder), served_model_name=[NAME],
-                                      dtype="float32", api_key=KEY, metrics_need_api_key=True,
-                                      max_body_bytes=MAX_BODY, engine_options=SMALL_ENGINE))
-    running = ThreadedServer(state).start()
-    running.wait_ready()
-    yield running
-    running.stop()
+    options = ServerOptions(model=str(folder), served_model_name=[NAME],
+                            dtype="float32", api_key=KEY, metrics_need_api_key=True,
+                            max_body_bytes=MAX_BODY, engine_options=SMALL_ENGINE)
+    with serving(options) as running:
+        yield running
 
 
 def routes(server) -> list[tuple[str, str]]:

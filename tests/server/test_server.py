@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.serve_bench import run_benchmark
 from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import ThreadedServer, wait_until
+from server_helpers import ThreadedServer, serving, wait_until
 from tiny_models import SMALL_ENGINE
 
 ENGINE = {**SMALL_ENGINE, "max_num_seqs": 8, "num_pages": 96}
@@ -23,12 +23,10 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def server(folder):
-    state = ServerState(ServerOptions(model=str(folder), served_model_name=[NAME],
-                                      dtype="float32", engine_options=ENGINE))
-    running = ThreadedServer(state).start()
-    running.wait_ready()
-    yield running
-    running.stop()
+    options = ServerOptions(model=str(folder), served_model_name=[NAME],
+                            dtype="float32", engine_options=ENGINE)
+    with serving(options) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
-from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import ThreadedServer, wait_until
+from jaxserve.server.state import ServerOptions
+from server_helpers import serving, wait_until
 from tiny_models import SMALL_ENGINE
 
 BODY = {"prompt": [0, 5, 6], "max_tokens": 4, "ignore_eos": True}
@@ -17,12 +17,10 @@ BODY = {"prompt": [0, 5, 6], "max_tokens": 4, "ignore_eos": True}
 
 @pytest.fixture
 def server(folder):
-    state = ServerState(ServerOptions(model=str(folder), dtype="float32",
-                                      engine_options=SMALL_ENGINE))
-    running = ThreadedServer(state).start()
-    running.wait_ready()
-    yield running
-    running.stop()
+    options = ServerOptions(model=str(folder), dtype="float32",
+                            engine_options=SMALL_ENGINE)
+    with serving(options) as running:
+        yield running
 
 
 def fail_next_launches(server, monkeypatch, count: int) -> None:
