@@ -9,6 +9,18 @@ Public API:
 
 KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim].
 
+Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
+sequence, the G query heads of a kv head as one block) and a ragged kernel for prefill
+chunks (`tpu_paged_attention`, `gpu_paged_attention`: work items of up to `q_block` query
+tokens). `paged_attention` is the decode kernel; `ragged_paged_attention` sends the rows
+with one new token (decode rows, also a one-token prefill chunk) to the decode kernel and
+the longer chunks to the ragged kernel, and merges the two by token.
+
+Safety contract: page-table entries past a sequence's pages may hold anything (-1, ids past
+the pool); the decode kernels never read them. A kv_len longer than the table covers
+(P * page_size) is a ValueError when kv_lens is concrete at trace time; under jit it is
+clamped to the table (the sequence attends to the keys its table holds).
+
 Backend selection happens at lowering time through jax.lax.platform_dependent:
 the Mosaic kernel on TPU, the Triton kernel on CUDA, and the Triton kernel in
 Pallas interpret mode everywhere else (CPU). So `jax.export` for a platform
@@ -18,9 +30,13 @@ kernel (compiled, unless interpret=True); `backend="reference"` uses the jnp
 reference. interpret=False behaves like None (there is no compiled CPU kernel).
 """
 
-import jax
+import functools
 
-from pallas_kernels import gpu_paged_attention, reference, tpu_paged_attention, validation
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import (gpu_decode, gpu_paged_attention, reference, tpu_decode,
+                            tpu_paged_attention, validation)
 from pallas_kernels import work_items as wi
 from pallas_kernels.kv_write import write_kv
 
@@ -43,23 +59,56 @@ def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
     return q_block
 
 
-def _kernel_fn(backend, interpret, **options):
-    """Returns f(q [I, Hkv, R, D], k_pages, v_pages, page_indices, items) -> [I, Hkv, R, D]."""
-    modules = {"tpu": tpu_paged_attention, "gpu": gpu_paged_attention}
+def _platform_kernel(modules, backend, interpret, call):
+    """The kernel `call(module, interpret)` of the module chosen by backend / interpret.
 
-    def run(name, run_interpret):
-        def f(q, k_pages, v_pages, page_indices, items):
-            return modules[name].attention(q, k_pages, v_pages, page_indices, items,
-                                           interpret=run_interpret, **options)
-        return f
-
+    modules: {"tpu": module, "gpu": module}. No backend and no interpret: picked when lowered
+    (Mosaic on TPU, Triton on CUDA, INTERPRET_BACKEND interpreted elsewhere). A
+    `pltpu.InterpretParams` is TPU interpret mode, so it implies (and needs) the TPU kernel.
+    """
+    tpu_params = not isinstance(interpret, bool) and interpret is not None
     if backend is None and not interpret:
         def dispatch(*args):
             return jax.lax.platform_dependent(
-                *args, tpu=run("tpu", False), cuda=run("gpu", False),
-                default=run(INTERPRET_BACKEND, True))
+                *args, tpu=call(modules["tpu"], False), cuda=call(modules["gpu"], False),
+                default=call(modules[INTERPRET_BACKEND], True))
         return dispatch
-    return run(backend or INTERPRET_BACKEND, bool(interpret))
+    if backend is None:
+        backend = "tpu" if tpu_params else INTERPRET_BACKEND
+    if tpu_params and backend != "tpu":
+        raise ValueError(f"interpret={interpret!r} is TPU interpret mode; backend {backend!r} "
+                         "takes interpret=True")
+    return call(modules[backend], interpret or False)
+
+
+def _kernel_fn(backend, interpret, **options):
+    """Returns f(q [I, Hkv, R, D], k_pages, v_pages, page_indices, items) -> [I, Hkv, R, D]
+    for the ragged kernel."""
+    def call(module, run_interpret):
+        return functools.partial(module.attention, interpret=run_interpret, **options)
+    return _platform_kernel({"tpu": tpu_paged_attention, "gpu": gpu_paged_attention},
+                            backend, interpret, call)
+
+
+def _decode_fn(backend, interpret, **options):
+    """Returns f(q [B, Hkv, G, D], k_pages, v_pages, page_indices, key_lo, key_hi) ->
+    [B, Hkv, G, D] for the decode kernel."""
+    def call(module, run_interpret):
+        return functools.partial(module.attention, interpret=run_interpret, **options)
+    return _platform_kernel({"tpu": tpu_decode, "gpu": gpu_decode}, backend, interpret, call)
+
+
+def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_cap,
+            sliding_window, interpret, backend):
+    """Decode kernel on q [B, Hq, D] (token b at kv_lens[b] - 1) -> [B, Hq, D]."""
+    validation.check_table_covers(kv_lens, dims)
+    kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [B]
+    items = wi.decode_items(kv_lens, sliding_window)
+    kernel = _decode_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap)
+    batch = q.shape[0]
+    q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
+    out = kernel(q_packed, k_pages, v_pages, page_indices, items.key_lo, items.key_hi)
+    return out.reshape(q.shape)  # [B, Hq, D]
 
 
 def _check_backend(backend):
@@ -83,15 +132,10 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
                                          sliding_window=sliding_window)
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices)
     validation.check_options(sm_scale, soft_cap, sliding_window)
-    batch = q.shape[0]
-    kernel = _kernel_fn(
-        backend, interpret, group=dims.group,
-        sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
-        soft_cap=soft_cap, sliding_window=sliding_window)
-    q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
-    items = wi.decode_items(kv_lens, sliding_window)
-    out = kernel(q_packed, k_pages, v_pages, page_indices, items)  # [B, Hkv, G, D]
-    return out.reshape(q.shape)
+    return _decode(q, k_pages, v_pages, kv_lens, page_indices, dims,
+                   sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
+                   soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+                   backend=backend)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -104,7 +148,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     num_seqs int32[1]. Query i of sequence s sits at kv_lens[s] - q_len[s] + i and
     attends causally. Rows past cu_q_lens[num_seqs] and sequences >= num_seqs are
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
-    q_block: query tokens per kernel work item (default: `default_q_block`).
+    q_block: query tokens per work item of the ragged kernel (default: `default_q_block`).
+    Sequences with one new token go to the decode kernel instead.
     """
     _check_backend(backend)
     if backend == "reference":
@@ -119,12 +164,21 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     if q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
     num_tokens = q.shape[0]
-    kernel = _kernel_fn(
-        backend, interpret, group=dims.group,
-        sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
-        soft_cap=soft_cap, sliding_window=sliding_window)
-    items, row0, q_len = wi.ragged_items(kv_lens, cu_q_lens, num_seqs, num_tokens, q_block,
-                                         sliding_window)
+    sm_scale = float(dims.head_dim**-0.5 if sm_scale is None else sm_scale)
+    kernel = _kernel_fn(backend, interpret, group=dims.group, sm_scale=sm_scale,
+                        soft_cap=soft_cap, sliding_window=sliding_window)
+    validation.check_table_covers(kv_lens, dims)
+    kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [S]
+    rows = wi.split_rows(cu_q_lens, num_seqs)
+    items, row0, q_len = wi.ragged_items(kv_lens, cu_q_lens, rows.chunk_len, num_tokens,
+                                         q_block, sliding_window)
     q_packed, token = wi.pack_queries(q, row0, q_len, dims.num_kv_heads, q_block)
     out = kernel(q_packed, k_pages, v_pages, page_indices, items)  # [I, Hkv, q_block*G, D]
-    return wi.unpack_outputs(out, token, num_tokens, q_block)
+    out = wi.unpack_outputs(out, token, num_tokens, q_block)  # [T, Hq, D], decode rows 0
+    decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]
+    decoded = _decode(q[decode_token], k_pages, v_pages,
+                      jnp.where(rows.is_decode, kv_lens, 0), page_indices, dims,
+                      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                      interpret=interpret, backend=backend)  # [S, Hq, D]
+    return out.at[jnp.where(rows.is_decode, decode_token, num_tokens)].set(
+        decoded, mode="drop")

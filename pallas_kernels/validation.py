@@ -7,7 +7,9 @@ instead of failing deep inside a Mosaic or Triton lowering.
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
@@ -84,6 +86,18 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True) -> Dims:
         )
     _check_int32("page_indices", page_indices, 2)
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
+
+
+def check_table_covers(kv_lens, dims: Dims):
+    """kv_lens past what the page tables cover (P * page_size) are a ValueError when known at
+    trace time (a concrete array); traced ones are clamped by the caller."""
+    if isinstance(kv_lens, jax.core.Tracer):
+        return
+    covered = dims.pages_per_seq * dims.page_size
+    longest = int(np.max(np.asarray(kv_lens), initial=0))
+    if longest > covered:
+        raise ValueError(f"kv_lens holds {longest}, more than page_indices covers "
+                         f"({dims.pages_per_seq} pages of {dims.page_size} = {covered} keys)")
 
 
 def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True) -> Dims:

@@ -49,16 +49,29 @@ def num_ragged_items(num_tokens, max_seqs, q_block):
     return -(-num_tokens // q_block) + max_seqs
 
 
-def ragged_items(kv_lens, cu_q_lens, num_seqs, num_tokens, q_block, sliding_window):
-    """Splits each live sequence's queries into chunks of <= q_block tokens.
+class RowKinds(NamedTuple):
+    """How a ragged batch's rows split between the two kernels, each [S]."""
+
+    is_decode: jnp.ndarray  # [S] bool: one new token (the decode kernel's)
+    chunk_len: jnp.ndarray  # [S] int32 new tokens of a longer chunk (the ragged kernel's), else 0
+
+
+def split_rows(cu_q_lens, num_seqs) -> RowKinds:
+    """Live rows with one new token go to the decode kernel, longer chunks to the ragged one."""
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    live = jnp.arange(q_len.shape[0]) < num_seqs[0]  # [S]
+    return RowKinds(live & (q_len == 1), jnp.where(live & (q_len > 1), q_len, 0))
+
+
+def ragged_items(kv_lens, cu_q_lens, seq_q_len, num_tokens, q_block, sliding_window):
+    """Splits each sequence's `seq_q_len` [S] queries (the flat tokens from cu_q_lens[s])
+    into chunks of <= q_block tokens.
 
     Returns (WorkItems, row0 [I] first flat token of each item, q_len [I] tokens in it).
     Items past the real ones have q_len 0 and see no keys.
     """
     max_seqs = kv_lens.shape[0]
     num_items = num_ragged_items(num_tokens, max_seqs, q_block)
-    live = jnp.arange(max_seqs) < num_seqs[0]  # [S]
-    seq_q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     n_chunks = -(-seq_q_len // q_block)  # [S]
     chunk_end = jnp.cumsum(n_chunks)  # [S]
     item = jnp.arange(num_items, dtype=jnp.int32)  # [I]

@@ -1,0 +1,166 @@
+"""Pallas GPU (Triton) decode attention: one query token per sequence, split over the context.
+
+Grid (sequence, kv head, split). A program takes the G query heads of its kv head as one
+`[G', D]` block (G padded to the 16 rows `tl.dot` needs, not to 16 tokens) and walks the
+pages of its part of the sequence's key range one page at a time: one page-id load per
+page, then the page's `[page_size, D]` K and V rows of its head. Work is bounded by the
+sequence's own keys: pages outside `[key_lo, key_hi)` are never visited, so page-table
+entries past a sequence's pages are never read.
+
+Split-K (flash-decoding): a small batch has too few (sequence, kv head) pairs to fill an
+H100/H200's 132 SMs, so the key range is cut into up to `splits` parts of at least
+MIN_SPLIT_KEYS keys, each its own program writing a float32 partial (max, sum, weighted sum);
+a combine pass (`combine`, plain XLA) merges them. `default_splits` picks the count
+statically from the batch: enough programs for TARGET_PROGRAMS, one (no combine) when the
+batch already fills the card.
+
+Launch parameters per page size (`LAUNCH`), the reason being the pipelined K/V tiles of
+`num_stages` pages in shared memory and the registers of a `[page_size, D]` tile:
+  page 16: 4 warps, 4 stages  small tiles, deep pipeline to keep enough bytes in flight;
+  page 32: 4 warps, 3 stages;
+  page 64: 4 warps, 2 stages  (64 x 128 bf16 = 16 KiB per tile, K and V);
+  page 128: 8 warps, 2 stages  more threads for the larger tile.
+head_dim 256 halves the stages (at least 1) to keep the tiles within shared memory.
+float32 inputs are multiplied at full precision (`Precision.HIGHEST`: IEEE, not TF32).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.reference import MASK_VALUE
+
+MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100 / H200
+MAX_SPLITS = 32
+MIN_SPLIT_KEYS = 256  # a split shorter than this costs more in partials than it gains
+LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # page_size -> (warps, stages)
+
+
+def default_splits(batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int) -> int:
+    """Splits of each sequence's keys: enough programs for TARGET_PROGRAMS, at most
+    MAX_SPLITS and no more than the table's width allows at MIN_SPLIT_KEYS keys each."""
+    wanted = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
+    widest = max(1, pages_per_seq * page_size // MIN_SPLIT_KEYS)
+    return max(1, min(wanted, MAX_SPLITS, widest))
+
+
+def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages) for a page size and head_dim, from LAUNCH."""
+    warps, stages = LAUNCH[page_size]
+    if head_dim > 128:
+        stages = max(1, stages // 2)
+    return warps, stages
+
+
+def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, page_size,
+            splits, min_split_pages, sm_scale, soft_cap, precision):
+    # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. Outputs: o [G', D]
+    # (splits 1), or the partials acc [G', D], m [G'], l [G'] (float32).
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
+    q = q_ref[...]  # [G', D]
+    rows, head_dim = q.shape
+    first = jax.lax.div(key_lo, page_size)
+    last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
+    per_split = jnp.maximum(jax.lax.div(last - first + splits - 1, splits), min_split_pages)
+    lo_page = jnp.minimum(first + split * per_split, last)
+    hi_page = jnp.minimum(lo_page + per_split, last)
+    offsets = jnp.arange(page_size, dtype=jnp.int32)  # [ps]
+
+    def body(slot, carry):
+        m, l, acc = carry  # [G'], [G'], [G', D]
+        page = pt_ref[seq, slot]  # one id per page
+        k = k_ref[page, :, head, :]  # [ps, D]
+        v = v_ref[page, :, head, :]  # [ps, D]
+        key_pos = slot * page_size + offsets  # [ps]
+        seen = (key_pos >= key_lo) & (key_pos < key_hi)  # [ps]
+        v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # rows past kv_len may hold anything
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * sm_scale  # [G', ps]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(seen[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))  # [G']
+        p = jnp.where(seen[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [G', ps]
+        alpha = jnp.exp(m - m_new)  # [G']
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)  # [G', D]
+        return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
+
+    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo_page, hi_page, body, init)
+    if splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def combine(acc, m, l):
+    """Merges split partials: acc [..., S, G, D], m and l [..., S, G] -> [..., G, D] float32."""
+    m_max = m.max(axis=-2, keepdims=True)  # [..., 1, G]
+    weight = jnp.exp(m - m_max)  # [..., S, G] (0 for empty splits unless all are empty)
+    total = (weight * l).sum(axis=-2)  # [..., G]
+    out = (weight[..., None] * acc).sum(axis=-3)  # [..., G, D]
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret"))
+def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, soft_cap=None,
+              splits=None, interpret=False):
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D].
+
+    Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
+    sliding window are already in the range; key_hi <= key_lo: none, zeros out);
+    page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be
+    <= P * page_size (the caller clamps). splits default: `default_splits`.
+    Returns [B, Hkv, G, D].
+    """
+    batch, num_kv_heads, group, head_dim = q.shape
+    page_size = k_pages.shape[1]
+    pages_per_seq = page_indices.shape[1]
+    if splits is None:
+        splits = default_splits(batch, num_kv_heads, pages_per_seq, page_size)
+    rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, Hkv, G', D]
+    num_warps, num_stages = launch_parameters(page_size, head_dim)
+    precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
+    kernel = functools.partial(
+        _kernel, page_size=page_size, splits=splits,
+        min_split_pages=max(1, MIN_SPLIT_KEYS // page_size) if splits > 1 else 1,
+        sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    if splits == 1:
+        out_specs = q_spec
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        part = (batch, num_kv_heads, splits, rows)
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[any_spec] * 3 + [q_spec, any_spec, any_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="decode_attention_triton",
+    )(key_lo, key_hi, page_indices, q, k_pages, v_pages)
+    if splits > 1:
+        out = combine(*out).astype(q.dtype)  # [B, Hkv, G', D]
+    return out[:, :, :group]  # [B, Hkv, G, D]

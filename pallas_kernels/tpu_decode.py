@@ -1,0 +1,239 @@
+"""Pallas Mosaic TPU decode attention: one query token per sequence over its paged K/V.
+
+Work is bounded by each sequence's keys, never by the page table's width. The grid is
+(core, sequence): `(NUM_CORES, ceil(B / NUM_CORES))`, "parallel" x "arbitrary", so on a
+megacore chip (v4, v5p) each TensorCore walks its own half of the batch in order, and on a
+single-core chip (v5e, v6e) the halves simply run one after the other. Each grid step owns one
+sequence and runs a loop over *its* key blocks only: `ceil(pages in [key_lo, key_hi) /
+pages_per_block)` iterations, none for a sequence with no keys.
+
+K/V move by manual async copies from HBM (`memory_space=ANY`) into a two-slot VMEM buffer:
+while block i is computed, block i+1 is already in flight, and during a sequence's last
+block the *next* sequence's first block is fetched (the grid's "arbitrary" axis keeps a
+core's steps in order, so the copy started in one step is waited for in the next). A block
+is `pages_per_block` pages, one contiguous DMA per page and per K/V; the last block's copies
+are clipped to the pages that hold valid keys, so a page-table entry past a sequence's pages
+is never read (it may be -1 or past the pool). Keys past `key_hi` inside the last page are
+masked, and their V rows zeroed, so stale VMEM never reaches the output.
+
+Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
+sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
+sublane tile itself, no query is replicated. Softmax in float32; scores and the weighted sum
+are MXU matmuls with float32 accumulation.
+
+How this follows and departs from tpu-inference's ragged paged attention v3 (RPA v3):
+- follows: manual double-buffered page copies with the next sequence's first block prefetched
+  across grid steps, page counts clipped to the valid tokens, float32 online softmax;
+- departs: decode only (RPA v3 is one kernel for decode, prefill and mixed batches, with a
+  per-step distribution of the three); the grid is one step per sequence rather than a
+  single sequential loop, so megacore splits the batch; the cache keeps jaxserve's
+  `[N, page_size, Hkv, D]` layout instead of RPA v3's fused K/V pages with heads packed
+  along sublanes. With one kv head per device the pages are read as `[N, page_size, D]` (the
+  same bytes; XLA:TPU keeps the unit axis major), which is dense in bf16. With 2-4 kv heads
+  per device the `(Hkv, D)` minor tile is sublane-padded in HBM; fusing K and V per page as
+  RPA v3 does is the remedy and is left to the cache-layout work.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.reference import MASK_VALUE
+
+NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves in turn.
+TARGET_BLOCK_KEYS = 512  # keys per copy block: large copies amortise the DMA issue cost
+KV_BUFFER_BYTES = 8 << 20  # VMEM for K and V, both slots (v5e's scoped default is 16 MiB)
+
+
+def default_pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
+    """Pages per copy block: TARGET_BLOCK_KEYS keys, fewer if K and V's two slots would
+    exceed KV_BUFFER_BYTES, never more than a sequence's table holds."""
+    page_bytes = page_size * num_kv_heads * head_dim * itemsize
+    by_memory = KV_BUFFER_BYTES // (4 * page_bytes)
+    return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
+
+
+def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref,
+            k_buf, v_buf, sems, slot_ref, m_ref, l_ref, acc_ref, *,
+            batch, pages_per_seq, page_size, pages_per_block, sm_scale, soft_cap):
+    # q_ref, o_ref [Hkv, G, D]; k_hbm, v_hbm [N, page_size, (Hkv,) D] in HBM;
+    # k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D]; sems DMA [2 (k/v), 2 (slot)];
+    # slot_ref SMEM [1]; m_ref, l_ref [Hkv, G, 1] and acc_ref [Hkv, G, D] float32.
+    core, step = pl.program_id(0), pl.program_id(1)
+    steps = pl.num_programs(1)
+    seq = core * steps + step
+    block_keys = page_size * pages_per_block
+    num_kv_heads, group, _ = q_ref.shape
+    squeezed = len(k_buf.shape) == 4
+
+    def page_range(s):
+        """(first page, one past the last page) holding keys of sequence s."""
+        lo, hi = key_lo_ref[s], key_hi_ref[s]
+        first = jax.lax.div(lo, page_size)
+        last = jnp.where(hi > lo, jax.lax.div(hi + page_size - 1, page_size), first)
+        return first, last
+
+    def num_blocks(s):
+        first, last = page_range(s)
+        return jax.lax.div(last - first + pages_per_block - 1, pages_per_block)
+
+    def copies(s, block, slot):
+        """The copy descriptors of block `block` of sequence s into `slot`, each with
+        whether it is needed (pages past the sequence's last are not)."""
+        first, last = page_range(s)
+        page0 = first + block * pages_per_block
+        out = []
+        for p in range(pages_per_block):
+            needed = page0 + p < last
+            # Not needed: a dummy in-table index (never started, never waited for); a
+            # batch-padding sequence (s >= batch) has no pages and reads row batch - 1.
+            slot_index = jnp.where(needed, page0 + p, 0)
+            page = pt_ref[jnp.minimum(s, batch - 1) * pages_per_seq + slot_index]
+            for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                out.append((needed, pltpu.make_async_copy(
+                    hbm.at[page], buf.at[slot, p], sems.at[kv, slot])))
+        return out
+
+    def start(s, block, slot):
+        for needed, copy in copies(s, block, slot):
+            pl.when(needed)(copy.start)
+
+    def wait(s, block, slot):
+        for needed, copy in copies(s, block, slot):
+            pl.when(needed)(copy.wait)
+
+    @pl.when(step == 0)
+    def _first_on_core():
+        slot_ref[0] = 0
+
+    blocks = num_blocks(seq)
+    # The previous step (same core) prefetched this sequence's first block if it had keys.
+    prefetched = (step > 0) & (num_blocks(jnp.maximum(seq - 1, 0)) > 0)
+    slot0 = slot_ref[0]
+
+    @pl.when((blocks > 0) & ~prefetched)
+    def _fetch_first():
+        start(seq, 0, slot0)
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    first_page, _ = page_range(seq)
+    key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
+    def body(block, carry):
+        slot = jax.lax.rem(slot0 + block, 2)
+        next_slot = 1 - slot
+
+        @pl.when(block + 1 < blocks)
+        def _prefetch_next_block():
+            start(seq, block + 1, next_slot)
+
+        @pl.when((block + 1 == blocks) & (step + 1 < steps))
+        def _prefetch_next_sequence():
+            @pl.when(num_blocks(seq + 1) > 0)
+            def _():
+                start(seq + 1, 0, next_slot)
+
+        wait(seq, block, slot)
+        key0 = (first_page + block * pages_per_block) * page_size
+
+        def visible(shape, dim):
+            key_pos = key0 + jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+            return (key_pos >= key_lo) & (key_pos < key_hi)  # key_lo applies the window
+
+        mask = visible((1, block_keys), 1)  # [1, KB] for the scores
+        key_valid = visible((block_keys, 1), 0)  # [KB, 1] for the V rows
+        for h in range(num_kv_heads):
+            if squeezed:
+                k = k_buf[slot].reshape(block_keys, -1)  # [KB, D]
+                v = v_buf[slot].reshape(block_keys, -1)  # [KB, D]
+            else:
+                k = k_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
+                v = v_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
+            v = jnp.where(key_valid, v, jnp.zeros_like(v))  # stale rows may hold anything
+            s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * sm_scale  # [G, KB]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_prev = m_ref[h]  # [G, 1]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # [G, 1]
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [G, KB]
+            alpha = jnp.exp(m_prev - m_new)  # [G, 1]
+            l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+            acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)  # [G, D]
+            m_ref[h] = m_new
+        return carry
+
+    jax.lax.fori_loop(0, blocks, body, 0)
+    slot_ref[0] = jax.lax.rem(slot0 + blocks, 2)
+    l = l_ref[...]  # [Hkv, G, 1]
+    o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "pages_per_block", "interpret"),
+)
+def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, soft_cap=None,
+              pages_per_block=None, interpret=False):
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D].
+
+    Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
+    sliding window are already in the range; key_hi <= key_lo: none, zeros out); page_indices int32 [B, P], entries past a
+    sequence's pages never read. key_hi must be <= P * page_size (the caller clamps).
+    Returns [B, Hkv, G, D]. `interpret`: False, True or a `pltpu.InterpretParams`.
+    """
+    batch, num_kv_heads, group, head_dim = q.shape
+    num_pages, page_size = k_pages.shape[:2]
+    pages_per_seq = page_indices.shape[1]
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size, num_kv_heads, head_dim,
+                                                  k_pages.dtype.itemsize, pages_per_seq)
+    # One kv head per device: `[N, page_size, 1, D]` is laid out with the unit axis major on
+    # TPU, so `[N, page_size, D]` is the same bytes (a bitcast, no relayout of the cache).
+    squeezed = num_kv_heads == 1
+    page_shape = (page_size, head_dim) if squeezed else (page_size, num_kv_heads, head_dim)
+    if squeezed:
+        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
+        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
+    steps = pl.cdiv(batch, NUM_CORES)
+    pad = steps * NUM_CORES - batch  # padding sequences: no keys, no pages
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))  # [B', Hkv, G, D]
+    key_lo, key_hi = (jnp.pad(x, (0, pad)) for x in (key_lo, key_hi))  # [B']
+
+    def q_map(core, step, *_):
+        return (core * steps + step, 0, 0, 0)
+
+    q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    buffer = pltpu.VMEM((2, pages_per_block) + page_shape, k_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(NUM_CORES, steps),
+        in_specs=[q_spec, any_spec, any_spec],
+        out_specs=q_spec,
+        scratch_shapes=[
+            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
+            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _kernel, batch=batch, pages_per_seq=pages_per_seq, page_size=page_size,
+        pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="decode_attention_mosaic",
+    )(key_lo, key_hi, page_indices.reshape(batch * pages_per_seq), q, k_pages, v_pages)
+    return out[:batch]  # [B, Hkv, G, D]
