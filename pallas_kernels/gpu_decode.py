@@ -40,12 +40,11 @@ MIN_SPLIT_KEYS = 256  # a split shorter than this costs more in partials than it
 LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # page_size -> (warps, stages)
 
 
-def default_splits(batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int) -> int:
+def default_splits(batch: int, num_kv_heads: int) -> int:
     """Splits of each sequence's keys: enough programs for TARGET_PROGRAMS, at most
-    MAX_SPLITS and no more than the table's width allows at MIN_SPLIT_KEYS keys each."""
-    wanted = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
-    widest = max(1, pages_per_seq * page_size // MIN_SPLIT_KEYS)
-    return max(1, min(wanted, MAX_SPLITS, widest))
+    MAX_SPLITS. Not tied to the page table's width: a split past a sequence's keys exits at
+    once, and each split spans at least MIN_SPLIT_KEYS keys of its sequence."""
+    return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), MAX_SPLITS))
 
 
 def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
@@ -125,9 +124,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     """
     batch, num_kv_heads, group, head_dim = q.shape
     page_size = k_pages.shape[1]
-    pages_per_seq = page_indices.shape[1]
     if splits is None:
-        splits = default_splits(batch, num_kv_heads, pages_per_seq, page_size)
+        splits = default_splits(batch, num_kv_heads)
     rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, Hkv, G', D]
     num_warps, num_stages = launch_parameters(page_size, head_dim)

@@ -64,9 +64,13 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
         mask = (key_pos <= q_pos) & (key_pos < key_hi) & (key_pos < kv_len_ref[item])
         if sliding_window is not None:
             mask &= q_pos - key_pos < sliding_window
+        key_col = block * block_keys + jax.lax.broadcasted_iota(
+            jnp.int32, (block_keys, 1), 0)  # [KB, 1]
+        key_valid = (key_col >= key_lo) & (key_col < key_hi)  # [KB, 1]
         for h in range(num_kv_heads):
             k = jnp.concatenate([_head(r, h) for r in k_refs], axis=0)  # [KB, D]
             v = jnp.concatenate([_head(r, h) for r in v_refs], axis=0)  # [KB, D]
+            v = jnp.where(key_valid, v, jnp.zeros_like(v))  # rows past kv_len may hold anything
             s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * sm_scale  # [R, KB]
             if soft_cap is not None:

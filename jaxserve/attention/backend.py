@@ -33,6 +33,9 @@ class PagedBatch:
     page_indices: jax.Array  # [S, P] int32 each row's page table
     cu_q_lens: jax.Array  # [S + 1] int32 row s's tokens are [cu_q_lens[s], cu_q_lens[s+1])
     num_seqs: jax.Array  # [1] int32 real rows
+    # Known when the program is traced: token s is row s's one new token (T = S), as in the
+    # decode loop, so a backend may use a decode kernel without looking at cu_q_lens.
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)

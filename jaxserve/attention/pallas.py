@@ -1,7 +1,9 @@
-"""The Pallas backend: `pallas_kernels.ragged_paged_attention`, the Mosaic kernel on TPU and
-the Triton kernel on GPU (picked when the program is lowered for its platform; elsewhere the
-Triton kernel in interpret mode, slow but exact). It reads the pages in place, so the decode
-loop carries nothing but the cache and stacked layers need only the page offsets."""
+"""The Pallas backend: the kernels of `pallas_kernels`, Mosaic on TPU and Triton on GPU (picked
+when the program is lowered for its platform; elsewhere the Triton kernels in interpret mode,
+slow but exact). The decode loop's steps (`PagedBatch.decode_only`) go straight to the decode
+kernel (`paged_attention`); other steps to `ragged_paged_attention`, which itself sends their
+one-token rows to the decode kernel. The kernels read the pages in place, so the decode loop
+carries nothing but the cache and stacked layers need only the page offsets."""
 
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ class PallasBackend(AttentionBackend):
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
         k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
-        out = pallas_kernels.ragged_paged_attention(
-            q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens, batch.num_seqs,
-            sliding_window=self.sliding_window)
+        if batch.decode_only:
+            out = pallas_kernels.paged_attention(
+                q, k_pages, v_pages, batch.kv_lens, page_indices,
+                sliding_window=self.sliding_window)  # [S, Hq, D]
+        else:
+            out = pallas_kernels.ragged_paged_attention(
+                q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
+                batch.num_seqs, sliding_window=self.sliding_window)  # [T, Hq, D]
         return out, (k_pages, v_pages)

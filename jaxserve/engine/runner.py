@@ -167,7 +167,7 @@ class Runner:
             slots = jnp.where(done, -1, page * page_size + position % page_size)
             attention = self.attention.for_step(PagedBatch(
                 slots, jnp.where(valid, position + 1, 0), inp.page_indices, cu_q_lens,
-                inp.num_seqs))
+                inp.num_seqs, decode_only=True))
             hidden, caches = model(current, position, caches, attention)  # [S, E]
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts)

@@ -83,11 +83,12 @@ def test_a_step_of_every_kind_equals_numpy(name):
 
 
 @pytest.mark.parametrize("name, sliding_window, rows", [
-    ("cpu", None, 4), ("cpu", 8, 4), ("cpu", None, 1), ("pallas", 8, 4), ("reference", None, 4)])
+    ("cpu", None, 4), ("cpu", 8, 4), ("cpu", None, 1), ("pallas", 8, 4), ("pallas", None, 1),
+    ("reference", None, 4)])
 def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     """Six loop steps of three rows (one padding row), or of one row alone, whose tokens cross
-    a page edge, run as the runner runs them: one token per row, the pages carried from step
-    to step. The pages from each row's start on hold random values that the loop overwrites,
+    a page edge, run as the runner runs them: one token per row (`decode_only`: the Pallas
+    backend's decode kernel), the pages carried from step to step. The pages from each row's start on hold random values that the loop overwrites,
     so attending to a stale copy would show."""
     rng = np.random.default_rng(1)
     page_indices = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 0, 0]],
@@ -111,7 +112,7 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
         kv_lens = np.where(live, position + 1, 0).astype(np.int32)
         q = rng.normal(size=(rows, HQ, D)).astype(np.float32)
         k_new, v_new = rng.normal(size=(2, rows, HKV, D)).astype(np.float32)
-        batch = PagedBatch(slots, kv_lens, page_indices, cu, num_seqs)
+        batch = PagedBatch(slots, kv_lens, page_indices, cu, num_seqs, decode_only=True)
         out, layer_cache = loop_step(batch, q, k_new, v_new, layer_cache)
         k_pages, v_pages = write(k_pages, k_new, slots), write(v_pages, v_new, slots)
         want = numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu, num_seqs[0],

@@ -1,0 +1,156 @@
+"""The decode kernels' safety contract and cost, against the jnp reference (interpret mode).
+
+- Page-table entries past a sequence's pages hold -1 or ids past the pool; TPU interpret mode
+  (`InterpretParams`) raises on any out-of-bounds read and detects DMA races, so reading one
+  fails the test. The cache rows past each sequence's kv_len and every page no sequence owns
+  hold NaN, so attending to one (on either kernel) shows in the output.
+- kv_len 0, 1, exact page multiples and the table's full length; longer is a ValueError.
+- The same kv_lens with a 32x wider page table cost about the same (work bounded by each
+  sequence's keys, not by the table).
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_kernels as pk
+from pallas_kernels import gpu_decode, reference, work_items
+
+BF16 = ml_dtypes.bfloat16
+PAGE = 16
+
+
+def poisoned_case(make_case, seed, *, hq=8, hkv=2, head_dim=64, dtype=np.float32,
+                  pages_per_seq=4, kv_lens=(0, 1, PAGE, 2 * PAGE + 1, 4 * PAGE, 5)):
+    """A case whose tables are poisoned past each sequence's pages and whose cache is NaN
+    wherever no sequence's keys are. Returns (case, kv_lens, poisoned table, clean table)."""
+    kv_lens = np.array(kv_lens, np.int32)
+    case = make_case(seed, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     page_size=PAGE, num_seqs=len(kv_lens), pages_per_seq=pages_per_seq,
+                     dtype=dtype)
+    num_pages = case.k_pages.shape[0]
+    owned = np.zeros((num_pages, PAGE), bool)
+    table = case.page_indices.copy()
+    for s, kv_len in enumerate(kv_lens):
+        pos = np.arange(kv_len)
+        owned[table[s, pos // PAGE], pos % PAGE] = True
+        used = -(-kv_len // PAGE)
+        table[s, used:] = -1 if s % 2 else num_pages + 7
+    for pages in (case.k_pages, case.v_pages):
+        pages[~owned] = np.nan
+    clean = np.where(table < 0, 0, np.minimum(table, num_pages - 1)).astype(np.int32)
+    return case, kv_lens, table, clean
+
+
+def denan(pages):
+    """pages with NaN replaced by 0 (np.nan_to_num leaves bfloat16 alone)."""
+    return np.where(np.isnan(pages.astype(np.float32)), 0, pages).astype(pages.dtype)
+
+
+def check(out, want, case):
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, **case.tol)
+
+
+# (backend, interpret) pairs: the TPU kernel also in TPU interpret mode with race detection.
+MODES = [("gpu", True), ("tpu", True), ("tpu", pltpu.InterpretParams(detect_races=True))]
+
+
+@pytest.mark.parametrize("backend,interpret", MODES, ids=["gpu", "tpu", "tpu-races"])
+@pytest.mark.parametrize("hq,hkv,d,dtype,window", [
+    (8, 2, 64, np.float32, None), (4, 1, 128, BF16, None), (8, 4, 64, np.float32, 21)])
+def test_decode_never_reads_past_its_pages(make_case, backend, interpret, hq, hkv, d, dtype,
+                                           window):
+    case, kv_lens, table, clean = poisoned_case(make_case, hq + d, hq=hq, hkv=hkv,
+                                                head_dim=d, dtype=dtype)
+    q = case.queries(len(kv_lens))
+    out = pk.paged_attention(q, case.k_pages, case.v_pages, kv_lens, table, backend=backend,
+                             interpret=interpret, sliding_window=window)
+    want = reference.paged_attention(q, denan(case.k_pages),
+                                     denan(case.v_pages), kv_lens, clean,
+                                     sliding_window=window)
+    check(out, want, case)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # kv_len 0
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_gpu_split_k_matches_reference(make_case, splits):
+    """Split-K partials merged by the combine pass, with splits shorter than the context and
+    splits left empty (more splits than a short sequence's pages)."""
+    case, kv_lens, table, clean = poisoned_case(
+        make_case, splits, pages_per_seq=40, kv_lens=(0, 1, 40 * PAGE, 17 * PAGE + 3, 300, 33))
+    q = case.queries(len(kv_lens))
+    _, _, hkv, d = case.k_pages.shape
+    items = work_items.decode_items(kv_lens, None)
+    out = gpu_decode.attention(q.reshape(len(kv_lens), hkv, -1, d), case.k_pages,
+                               case.v_pages, table, items.key_lo, items.key_hi,
+                               sm_scale=d**-0.5, splits=splits, interpret=True)
+    want = reference.paged_attention(q, denan(case.k_pages),
+                                     denan(case.v_pages), kv_lens, clean)
+    check(out.reshape(q.shape), want, case)
+
+
+@pytest.mark.parametrize("backend,interpret", MODES[:2], ids=["gpu", "tpu"])
+def test_ragged_decode_rows_never_read_past_their_pages(make_case, backend, interpret):
+    """A mixed batch (two chunks, three decode rows, a padding row) over poisoned tables."""
+    case, kv_lens, table, clean = poisoned_case(
+        make_case, 11, kv_lens=(20, 1, PAGE, 2 * PAGE + 1, 4 * PAGE, 5))
+    q_lens = np.array([20, 1, 1, 9, 1, 0])
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = case.queries(40)
+    args = (q, case.k_pages, case.v_pages, kv_lens, table, cu_q_lens, np.array([5], np.int32))
+    out = pk.ragged_paged_attention(*args, backend=backend, interpret=interpret, q_block=8)
+    want = reference.ragged_paged_attention(q, denan(case.k_pages),
+                                            denan(case.v_pages), kv_lens, clean,
+                                            *args[5:])
+    check(out, want, case)
+
+
+def test_kv_len_past_the_table_is_an_error(make_case):
+    case = make_case(0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=PAGE,
+                     num_seqs=2, pages_per_seq=2)
+    kv_lens = np.array([3, 2 * PAGE + 1], np.int32)
+    with pytest.raises(ValueError, match="kv_lens holds 33, more than page_indices covers"):
+        pk.paged_attention(case.queries(2), case.k_pages, case.v_pages, kv_lens,
+                           case.page_indices)
+
+
+def best_time(fn, repeats=3):
+    """Shortest of `repeats` calls after a warm-up call (compiles), in seconds."""
+    np.asarray(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.asarray(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@pytest.mark.parametrize("backend,interpret", MODES[:2], ids=["gpu", "tpu"])
+def test_decode_cost_does_not_grow_with_the_table(make_case, backend, interpret):
+    """The same kv_lens with a 32x wider table (32 -> 1024 pages a sequence, the extra
+    entries poison) take at most 1.5x the time: no grid step, copy or loop iteration per
+    table entry. The kernels that do scale with it ran ~1000x (TPU) and ~2x (GPU) slower
+    here. (Both tables span at least a TPU copy block, 512 keys: a table narrower than
+    that shrinks the block, the one thing the width sets.)"""
+    case, kv_lens, table, _ = poisoned_case(make_case, 5, pages_per_seq=32,
+                                            kv_lens=(128, 117, 40, 1, 128, 93, 80, 2))
+    wide = np.full((table.shape[0], 32 * table.shape[1]), -1, np.int32)
+    wide[:, :table.shape[1]] = table
+    q = case.queries(len(kv_lens))
+    attend = jax.jit(functools.partial(pk.paged_attention, backend=backend,
+                                       interpret=interpret))
+
+    def run(t):
+        t = jnp.asarray(t)
+        return lambda: attend(q, case.k_pages, case.v_pages, kv_lens, t)
+
+    narrow_s, wide_s = best_time(run(table)), best_time(run(wide))
+    assert wide_s <= 1.5 * narrow_s, (narrow_s, wide_s)
