@@ -61,3 +61,23 @@ def test_kernels_compile(target, hq, hkv, d, ps, dtype, soft_cap, window):
     a = _structs(target, hq, hkv, d, ps, dtype, TOKENS)
     _compile(lambda *x: pk.ragged_paged_attention(*x, **opts), target, a["q"], a["pages"],
              a["pages"], a["kv_lens"], a["table"], a["cu_q_lens"], a["num_seqs"])
+
+
+ENGINE_TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "h200", 1)]
+
+
+@pytest.mark.parametrize("target", ENGINE_TARGETS, ids=lambda t: t.accelerator)
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (4, 1)])
+def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, hkv):
+    """Batch 64, a table as wide as max_model_len 32k (2048 pages of 16), head_dim 128,
+    bfloat16, 8 kv heads or 1 (an 8B model on 8 devices): the decode kernel compiles, and the
+    program's temporaries stay far below the cache (no relayout copy of the pages; with one
+    kv head the `[N, page_size, D]` view must be a bitcast)."""
+    batch, pages_per_seq, num_pages, d = 64, 2048, 8193, 128
+    sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    pages = s((num_pages, 16, hkv, d), jnp.bfloat16)
+    compiled = _compile(pk.paged_attention, target, s((batch, hq, d), jnp.bfloat16), pages,
+                        pages, s((batch,), jnp.int32), s((batch, pages_per_seq), jnp.int32))
+    cache_bytes = 2 * num_pages * 16 * hkv * d * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
