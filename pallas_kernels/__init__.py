@@ -35,28 +35,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import (gpu_decode, gpu_paged_attention, reference, tpu_decode,
-                            tpu_paged_attention, validation)
+from pallas_kernels import (gpu_decode, gpu_prefill, reference, tpu_decode, tpu_prefill,
+                            validation)
 from pallas_kernels import work_items as wi
 from pallas_kernels.kv_write import write_kv
 
 __all__ = ["paged_attention", "ragged_paged_attention", "write_kv", "reference"]
 
 BACKENDS = ("tpu", "gpu", "reference")
-INTERPRET_BACKEND = "gpu"  # In interpret mode ~2-5x faster than the TPU kernel (fewer grid steps).
-DEFAULT_Q_BLOCK = 16  # Query tokens per work item in ragged batches (at most).
-# A work item's packed query rows (q_block * G of head_dim) stay within this many bytes: the
-# Triton kernel stages them in shared memory (A100: 163 KiB per block, with the K/V blocks).
-QUERY_BLOCK_BYTES = 64 << 10
-
-
-def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
-    """Query tokens per work item: DEFAULT_Q_BLOCK, halved while the item's rows
-    (q_block * group of head_dim) exceed QUERY_BLOCK_BYTES."""
-    q_block = DEFAULT_Q_BLOCK
-    while q_block > 1 and q_block * group * head_dim * itemsize > QUERY_BLOCK_BYTES:
-        q_block //= 2
-    return q_block
+# The kernels run in interpret mode off TPU and GPU: the Triton ones, fewer and larger steps.
+INTERPRET_BACKEND = "gpu"
 
 
 def _platform_kernel(modules, backend, interpret, call):
@@ -81,13 +69,13 @@ def _platform_kernel(modules, backend, interpret, call):
     return call(modules[backend], interpret or False)
 
 
-def _kernel_fn(backend, interpret, **options):
-    """Returns f(q [I, Hkv, R, D], k_pages, v_pages, page_indices, items) -> [I, Hkv, R, D]
-    for the ragged kernel."""
+def _prefill_fn(backend, interpret, **options):
+    """Returns f(q [T, Hq, D], k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+    chunk_len) -> [T, Hq, D] for the prefill kernel (rows of no chunk: zeros)."""
     def call(module, run_interpret):
         return functools.partial(module.attention, interpret=run_interpret, **options)
-    return _platform_kernel({"tpu": tpu_paged_attention, "gpu": gpu_paged_attention},
-                            backend, interpret, call)
+    return _platform_kernel({"tpu": tpu_prefill, "gpu": gpu_prefill}, backend, interpret,
+                            call)
 
 
 def _decode_fn(backend, interpret, **options):
@@ -148,8 +136,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     num_seqs int32[1]. Query i of sequence s sits at kv_lens[s] - q_len[s] + i and
     attends causally. Rows past cu_q_lens[num_seqs] and sequences >= num_seqs are
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
-    q_block: query tokens per work item of the ragged kernel (default: `default_q_block`).
-    Sequences with one new token go to the decode kernel instead.
+    q_block: query tokens per block of the prefill kernel (default: 128-token tiles on TPU,
+    `gpu_prefill.default_q_block` on GPU). Sequences with one new token go to the decode
+    kernel instead.
     """
     _check_backend(backend)
     if backend == "reference":
@@ -159,22 +148,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     dims = validation.check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                    num_seqs)
     validation.check_options(sm_scale, soft_cap, sliding_window)
-    if q_block is None:
-        q_block = default_q_block(dims.group, dims.head_dim, q.dtype.itemsize)
-    if q_block < 1:
+    if q_block is not None and q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
+    validation.check_table_covers(kv_lens, dims)
     num_tokens = q.shape[0]
     sm_scale = float(dims.head_dim**-0.5 if sm_scale is None else sm_scale)
-    kernel = _kernel_fn(backend, interpret, group=dims.group, sm_scale=sm_scale,
-                        soft_cap=soft_cap, sliding_window=sliding_window)
-    validation.check_table_covers(kv_lens, dims)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [S]
     rows = wi.split_rows(cu_q_lens, num_seqs)
-    items, row0, q_len = wi.ragged_items(kv_lens, cu_q_lens, rows.chunk_len, num_tokens,
-                                         q_block, sliding_window)
-    q_packed, token = wi.pack_queries(q, row0, q_len, dims.num_kv_heads, q_block)
-    out = kernel(q_packed, k_pages, v_pages, page_indices, items)  # [I, Hkv, q_block*G, D]
-    out = wi.unpack_outputs(out, token, num_tokens, q_block)  # [T, Hq, D], decode rows 0
+    prefill = _prefill_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap,
+                          sliding_window=sliding_window, q_block=q_block)
+    out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                  rows.chunk_len)  # [T, Hq, D], decode rows 0
     decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]
     decoded = _decode(q[decode_token], k_pages, v_pages,
                       jnp.where(rows.is_decode, kv_lens, 0), page_indices, dims,

@@ -13,7 +13,8 @@ block the *next* sequence's first block is fetched (the grid's "arbitrary" axis 
 core's steps in order, so the copy started in one step is waited for in the next). A block
 is `pages_per_block` pages, one contiguous DMA per page and per K/V; the last block's copies
 are clipped to the pages that hold valid keys, so a page-table entry past a sequence's pages
-is never read (it may be -1 or past the pool). Keys past `key_hi` inside the last page are
+is never read (it may be -1 or past the pool). The table stays in HBM: each sequence's
+entries in use are copied into SMEM one step ahead (double-buffered, `tpu_table`). Keys past `key_hi` inside the last page are
 masked, and their V rows zeroed, so stale VMEM never reaches the output.
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import tpu_table
 from pallas_kernels.reference import MASK_VALUE
 
 NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves in turn.
@@ -56,12 +58,14 @@ def default_pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_p
     return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
 
 
-def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref,
-            k_buf, v_buf, sems, slot_ref, m_ref, l_ref, acc_ref, *,
-            batch, pages_per_seq, page_size, pages_per_block, sm_scale, soft_cap):
-    # q_ref, o_ref [Hkv, G, D]; k_hbm, v_hbm [N, page_size, (Hkv,) D] in HBM;
-    # k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D]; sems DMA [2 (k/v), 2 (slot)];
-    # slot_ref SMEM [1]; m_ref, l_ref [Hkv, G, 1] and acc_ref [Hkv, G, D] float32.
+def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
+            k_buf, v_buf, sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref, *,
+            batch, page_size, pages_per_block, sm_scale, soft_cap):
+    # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and k_hbm, v_hbm [N, page_size, (Hkv,) D] in
+    # HBM; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D]; sems DMA [2 (k/v), 2
+    # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
+    # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
+    # already waited for); m_ref, l_ref [Hkv, G, 1] and acc_ref [Hkv, G, D] float32.
     core, step = pl.program_id(0), pl.program_id(1)
     steps = pl.num_programs(1)
     seq = core * steps + step
@@ -80,43 +84,64 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref,
         first, last = page_range(s)
         return jax.lax.div(last - first + pages_per_block - 1, pages_per_block)
 
-    def copies(s, block, slot):
-        """The copy descriptors of block `block` of sequence s into `slot`, each with
-        whether it is needed (pages past the sequence's last are not)."""
+    def row_copy(s, row_slot, start):
+        """Starts or waits for the copy of sequence s's table entries in use into
+        rows_ref[row_slot] (a batch-padding sequence, s >= batch, uses none)."""
+        first, last = page_range(s)
+        tpu_table.row_copies(table_hbm, jnp.minimum(s, batch - 1), rows_ref.at[row_slot],
+                             row_sems.at[row_slot], first, last, start)
+
+    def copies(s, row_slot, block, slot):
+        """The copy descriptors of block `block` of sequence s (table row in
+        rows_ref[row_slot]) into `slot`, each with whether it is needed (pages past the
+        sequence's last are not)."""
         first, last = page_range(s)
         page0 = first + block * pages_per_block
         out = []
         for p in range(pages_per_block):
             needed = page0 + p < last
-            # Not needed: a dummy in-table index (never started, never waited for); a
-            # batch-padding sequence (s >= batch) has no pages and reads row batch - 1.
-            slot_index = jnp.where(needed, page0 + p, 0)
-            page = pt_ref[jnp.minimum(s, batch - 1) * pages_per_seq + slot_index]
+            # Not needed: a dummy in-table index (never started, never waited for).
+            page = rows_ref[row_slot, jnp.where(needed, page0 + p, 0)]
             for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
                 out.append((needed, pltpu.make_async_copy(
                     hbm.at[page], buf.at[slot, p], sems.at[kv, slot])))
         return out
 
-    def start(s, block, slot):
-        for needed, copy in copies(s, block, slot):
+    def start(s, row_slot, block, slot):
+        for needed, copy in copies(s, row_slot, block, slot):
             pl.when(needed)(copy.start)
 
-    def wait(s, block, slot):
-        for needed, copy in copies(s, block, slot):
+    def wait(s, row_slot, block, slot):
+        for needed, copy in copies(s, row_slot, block, slot):
             pl.when(needed)(copy.wait)
+
+    # Table rows: each step's row was started by the previous step (by itself at step 0) and
+    # waited for there if that step prefetched this sequence's first block.
+    row_slot = jax.lax.rem(step, 2)
 
     @pl.when(step == 0)
     def _first_on_core():
-        slot_ref[0] = 0
+        state_ref[0], state_ref[1] = 0, 0
+        row_copy(seq, row_slot, start=True)
+
+    @pl.when(state_ref[1] == 0)
+    def _wait_row():
+        row_copy(seq, row_slot, start=False)
+
+    state_ref[1] = 0
+
+    @pl.when(step + 1 < steps)
+    def _fetch_next_row():
+        row_copy(seq + 1, 1 - row_slot, start=True)
 
     blocks = num_blocks(seq)
     # The previous step (same core) prefetched this sequence's first block if it had keys.
     prefetched = (step > 0) & (num_blocks(jnp.maximum(seq - 1, 0)) > 0)
-    slot0 = slot_ref[0]
+    slot0 = state_ref[0]
 
     @pl.when((blocks > 0) & ~prefetched)
     def _fetch_first():
-        start(seq, 0, slot0)
+        start(seq, row_slot, 0, slot0)
 
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -129,15 +154,17 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref,
 
         @pl.when(block + 1 < blocks)
         def _prefetch_next_block():
-            start(seq, block + 1, next_slot)
+            start(seq, row_slot, block + 1, next_slot)
 
         @pl.when((block + 1 == blocks) & (step + 1 < steps))
         def _prefetch_next_sequence():
             @pl.when(num_blocks(seq + 1) > 0)
             def _():
-                start(seq + 1, 0, next_slot)
+                row_copy(seq + 1, 1 - row_slot, start=False)  # the next step will not wait
+                state_ref[1] = 1
+                start(seq + 1, 1 - row_slot, 0, next_slot)
 
-        wait(seq, block, slot)
+        wait(seq, row_slot, block, slot)
         key0 = (first_page + block * pages_per_block) * page_size
 
         def visible(shape, dim):
@@ -171,7 +198,7 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref,
         return carry
 
     jax.lax.fori_loop(0, blocks, body, 0)
-    slot_ref[0] = jax.lax.rem(slot0 + blocks, 2)
+    state_ref[0] = jax.lax.rem(slot0 + blocks, 2)
     l = l_ref[...]  # [Hkv, G, 1]
     o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
@@ -214,19 +241,21 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     buffer = pltpu.VMEM((2, pages_per_block) + page_shape, k_pages.dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=2,
         grid=(NUM_CORES, steps),
-        in_specs=[q_spec, any_spec, any_spec],
+        in_specs=[q_spec, any_spec, any_spec, any_spec],
         out_specs=q_spec,
         scratch_shapes=[
-            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
+            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.SMEM((2, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((2,), jnp.int32),
             pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32),
         ],
     )
     kernel = functools.partial(
-        _kernel, batch=batch, pages_per_seq=pages_per_seq, page_size=page_size,
+        _kernel, batch=batch, page_size=page_size,
         pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
@@ -235,5 +264,5 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention_mosaic",
-    )(key_lo, key_hi, page_indices.reshape(batch * pages_per_seq), q, k_pages, v_pages)
+    )(key_lo, key_hi, q, page_indices, k_pages, v_pages)
     return out[:batch]  # [B, Hkv, G, D]

@@ -1,10 +1,10 @@
-"""Work items: the unit of work shared by the TPU and GPU kernels.
+"""Key ranges and work items: how a batch's rows become kernel work.
 
-Both kernels see the batch as a list of work items. An item is a chunk of up to
-`q_block` consecutive query tokens of ONE sequence, for all query heads; the
-kernel runs one program per (item, [kv head]) and streams that sequence's pages.
-Decode is the special case q_block = 1, one item per sequence, and needs no
-packing. For the ragged batch, queries are gathered into a dense
+`decode_items` gives each decode row its key range (both decode kernels); `split_rows` sends
+a ragged batch's one-token rows to the decode kernel and its longer chunks to the prefill
+kernel. The GPU prefill kernel sees the chunks as a list of work items: an item is up to
+`q_block` consecutive query tokens of ONE sequence, for all query heads; the kernel runs one
+program per (item, kv head) and streams that sequence's pages. For the ragged batch, queries are gathered into a dense
 [items, Hkv, q_block * G, D] array (row r = token r // G, head r % G of the
 kv-head group) so every kernel block is aligned and static-shaped; the output is
 scattered back to token order, padding rows ending up as zeros. The extra

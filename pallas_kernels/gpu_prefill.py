@@ -1,21 +1,19 @@
-"""Pallas GPU paged attention, lowered through Triton.
+"""Pallas GPU (Triton) attention for prefill chunks over paged K/V.
 
-Why Triton rather than Mosaic GPU: the deployment presets target A100 (sm80)
-as well as H100/H200 (sm90). Pallas' Mosaic GPU backend needs sm90+ (TMA,
-wgmma), while the Triton backend compiles for both, and a decode kernel is bound
-by HBM bandwidth, not by tensor-core features Mosaic GPU would add.
+Why Triton rather than Mosaic GPU: the deployment presets target A100 (sm80) as well as
+H100/H200 (sm90). Pallas' Mosaic GPU backend needs sm90+ (TMA, wgmma), while the Triton
+backend compiles for both.
 
-Design (bandwidth-bound decode): one program per (work item, kv head). The
-program keeps all `q_block * G` query rows of the item's kv-head group in
-registers ([R, D], R padded to a power of two >= 16 for tl.dot) and loops over
-the item's key range `block_keys` keys at a time: it gathers the page ids of the
-block from the page table, loads the K and V rows of those pages for its kv
-head (masked past the range, so page-table entries beyond kv_len are never
-dereferenced), and folds them into an online softmax in float32. Every K/V byte
-is read once per (sequence, kv head) for all the query heads that share it.
-Triton software-pipelines the loop (`num_stages`) so loads of block j+1 overlap
-the math of block j. With batch 64 x Hkv 8 there are 512 programs, enough to
-fill the 132 SMs of an H200; small batches would need a split-K pass (not done).
+The chunks are cut into work items (`work_items`): up to `q_block` consecutive query tokens
+of one sequence, packed as `[items, Hkv, q_block * G, D]`. One program per (work item, kv
+head) keeps the item's `q_block * G` query rows in registers ([R, D], R padded to a power of
+two >= 16 for tl.dot) and loops over the item's key range only, `block_keys` keys at a time:
+it gathers the page ids of the block, loads the K and V rows of those pages for its kv head
+(masked past the range, so page-table entries beyond it are never dereferenced), and folds
+them into an online softmax in float32. Every K/V byte is read once per (item, kv head) for
+all the query heads that share it. Triton software-pipelines the loop (`num_stages`).
+float32 inputs are multiplied at full precision (IEEE, not TF32). Decode rows go to
+`gpu_decode` instead.
 """
 
 import functools
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import work_items as wi
 from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.work_items import WorkItems
 
@@ -34,6 +33,19 @@ MIN_BLOCK_KEYS = 16  # tl.dot needs N, K >= 16
 # room for the query rows and Triton's scratch on every target: A100 offers 163 KiB per block,
 # H100/H200 227 KiB. (head_dim 256 in float32 with 64-key blocks would ask for 320 KiB.)
 KV_STAGE_BYTES = 64 << 10
+DEFAULT_Q_BLOCK = 16  # query tokens per work item (at most)
+# A work item's packed query rows (q_block * G of head_dim) stay within this many bytes: the
+# kernel keeps them on chip beside the K/V blocks (A100: 163 KiB of shared memory per block).
+QUERY_BLOCK_BYTES = 64 << 10
+
+
+def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
+    """Query tokens per work item: DEFAULT_Q_BLOCK, halved while the item's rows
+    (q_block * group of head_dim) exceed QUERY_BLOCK_BYTES."""
+    q_block = DEFAULT_Q_BLOCK
+    while q_block > 1 and q_block * group * head_dim * itemsize > QUERY_BLOCK_BYTES:
+        q_block //= 2
+    return q_block
 
 
 def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages: int) -> int:
@@ -48,7 +60,7 @@ def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages:
 
 def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref,
             k_ref, v_ref, o_ref, *, group, page_size, block_keys, sm_scale,
-            soft_cap, sliding_window):
+            soft_cap, sliding_window, precision):
     # q_ref, o_ref [R, D]; k_ref, v_ref [num_pages * page_size, Hkv, D]; pt_ref [S, P].
     item, head = pl.program_id(0), pl.program_id(1)
     seq, pos0, kv_len = seq_ref[item], pos0_ref[item], kv_len_ref[item]
@@ -70,7 +82,7 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
         kv_idx = (kv_row[:, None], head, lanes[None, :])
         k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
         v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale  # [R, KB]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -84,6 +96,7 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
         alpha = jnp.exp(m - m_new)  # [R]
         l = alpha * l + p.sum(axis=1)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision,
                                  preferred_element_type=jnp.float32)  # [R, D]
         return m_new, l, alpha[:, None] * acc + pv
 
@@ -99,9 +112,9 @@ def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref
     static_argnames=("group", "sm_scale", "soft_cap", "sliding_window", "block_keys",
                      "num_warps", "num_stages", "interpret"),
 )
-def attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_scale,
-              soft_cap=None, sliding_window=None, block_keys=None, num_warps=4,
-              num_stages=2, interpret=False):
+def items_attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_scale,
+                    soft_cap=None, sliding_window=None, block_keys=None, num_warps=4,
+                    num_stages=2, interpret=False):
     """Attention of packed query rows over paged K/V.
 
     q [I, Hkv, R, D] (row r = query token r // group); k_pages, v_pages
@@ -115,9 +128,12 @@ def attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_
         block_keys = default_block_keys(page_size, head_dim, k_pages.dtype.itemsize, num_stages)
     padded_rows = max(MIN_DOT_ROWS, pl.next_power_of_2(rows))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [I, Hkv, R', D]
+    precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
     kernel = functools.partial(
         _kernel, group=group, page_size=page_size, block_keys=block_keys,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     row_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda i, h: (i, h, 0, 0))
     out = pl.pallas_call(
@@ -128,8 +144,29 @@ def attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="paged_attention_triton",
+        name="prefill_attention_triton",
     )(*items, page_indices, q,
       k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim),
       v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim))
     return out[:, :, :rows]  # [I, Hkv, R, D]
+
+
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
+              soft_cap=None, sliding_window=None, q_block=None, interpret=False):
+    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
+
+    Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here), at
+    positions ending at kv_lens[s] - 1. Rows of no chunk come out as zeros. q_block default:
+    `default_q_block`. Returns [T, Hq, D].
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
+    items, row0, q_len = wi.ragged_items(kv_lens, cu_q_lens, chunk_len, num_tokens, q_block,
+                                         sliding_window)
+    q_packed, token = wi.pack_queries(q, row0, q_len, num_kv_heads, q_block)
+    out = items_attention(q_packed, k_pages, v_pages, page_indices, items, group=group,
+                          sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                          interpret=interpret)  # [I, Hkv, q_block * G, D]
+    return wi.unpack_outputs(out, token, num_tokens, q_block)  # [T, Hq, D]

@@ -1,0 +1,228 @@
+"""Pallas Mosaic TPU attention for prefill chunks: query tiles of the flat batch over paged K/V.
+
+The ragged batch's T tokens are cut into tiles of `q_block` consecutive tokens (128 by
+default), one grid step each ("parallel": tiles are independent, megacore splits them). A
+tile may hold the end of one chunk and the start of the next; the step loops over the
+sequences whose chunks overlap it (`seq_lo..seq_hi`, found once per call) and, for each, over
+the key blocks that its rows in the tile can see: from the window's start (0 without a
+sliding window) to its last row's position. So work is bounded by each sequence's keys and
+its chunk, never by the page table's width, and no query is copied into per-sequence
+blocks: the tile is a plain BlockSpec block of the queries, the output tile likewise.
+
+Queries enter as `[Hkv, T' * G, D]` (each kv head's G query heads of each token as
+consecutive rows), so a tile is one dense `[q_block * G, D]` matrix per kv head: the MXU
+takes all the group's heads and tokens at once. Rows of other sequences (and decode rows,
+which `ragged_paged_attention` gives to the decode kernel) are masked out of a sequence's
+softmax and come out as zeros here.
+
+Each sequence's page-table entries in use are copied from HBM into SMEM before its pages
+(`tpu_table`).
+K/V: manual async copies of `pages_per_block` pages per block into two VMEM slots, the next
+block of the sequence fetched while the current one computes; copies clipped to the pages
+that hold the sequence's keys, so table entries past them are never read; V rows past the
+range zeroed. Unlike the decode kernel there is no prefetch across sequences or tiles: a
+prefill block's compute (q_block * G rows) hides the first copy's latency poorly only for
+short chunks, which the decode kernel takes when they are one token long.
+
+Relation to RPA v3: like it, one kernel walks sequences inside a step with manual
+double-buffered page copies; unlike it, the tiles are fixed windows of the flat batch (not
+per-sequence query blocks), so the grid is static and every tile is one BlockSpec block.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import tpu_table
+from pallas_kernels.reference import MASK_VALUE
+
+DEFAULT_Q_BLOCK = 128  # query tokens per tile
+TARGET_BLOCK_KEYS = 512
+KV_BUFFER_BYTES = 4 << 20  # K and V, both slots
+VMEM_LIMIT_BYTES = 48 << 20  # tiles of 128 tokens x 32 heads need more than v5e's 16 MiB default
+
+
+def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table_hbm, k_hbm,
+            v_hbm, o_ref, k_buf, v_buf, sems, row_ref, row_sem, m_ref, l_ref, acc_ref, *,
+            q_block, group, page_size, pages_per_block, sm_scale, soft_cap, sliding_window):
+    # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and k_hbm, v_hbm
+    # [N, page_size, (Hkv,) D] in HBM; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D];
+    # sems DMA [2 (k/v), 2 (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA;
+    # m_ref, l_ref [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
+    tile = pl.program_id(0)
+    num_kv_heads, rows, _ = q_ref.shape
+    block_keys = page_size * pages_per_block
+    squeezed = len(k_buf.shape) == 4
+    tile_start = tile * q_block
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    # Token (tile_start + r // G) of each query row, as a column and as the scores' rows.
+    row_token = tile_start + jax.lax.div(
+        jax.lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), group)  # [R, KB]
+
+    def attend_sequence(s, carry):
+        q_len, first_token, kv_len = chunk_ref[s], cu_ref[s], kv_lens_ref[s]
+        a = jnp.maximum(first_token, tile_start)  # the sequence's tokens in this tile: [a, b)
+        b = jnp.minimum(first_token + q_len, tile_start + q_block)
+        pos_shift = kv_len - q_len - first_token  # position = token + pos_shift
+        key_hi = jnp.where(b > a, b + pos_shift, 0)  # one past the last row's position
+        key_lo = jnp.zeros_like(key_hi) if sliding_window is None else jnp.maximum(
+            a + pos_shift - sliding_window + 1, 0)
+        key_lo = jnp.minimum(key_lo, key_hi)
+        first = jax.lax.div(key_lo, page_size)
+        last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
+        blocks = jax.lax.div(last - first + pages_per_block - 1, pages_per_block)
+
+        def copies(block, slot):
+            page0 = first + block * pages_per_block
+            out = []
+            for p in range(pages_per_block):
+                needed = page0 + p < last
+                page = row_ref[jnp.where(needed, page0 + p, 0)]
+                for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                    out.append((needed, pltpu.make_async_copy(
+                        hbm.at[page], buf.at[slot, p], sems.at[kv, slot])))
+            return out
+
+        def start(block, slot):
+            for needed, copy in copies(block, slot):
+                pl.when(needed)(copy.start)
+
+        @pl.when(blocks > 0)
+        def _fetch_first():
+            tpu_table.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=True)
+            tpu_table.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=False)
+            start(0, 0)
+
+        def body(block, carry):
+            slot = jax.lax.rem(block, 2)
+
+            @pl.when(block + 1 < blocks)
+            def _prefetch_next():
+                start(block + 1, 1 - slot)
+
+            for needed, copy in copies(block, slot):
+                pl.when(needed)(copy.wait)
+            key0 = (first + block * pages_per_block) * page_size
+            key_pos = key0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
+            q_pos = row_token + pos_shift  # [R, KB]
+            mask = ((row_token >= a) & (row_token < b) & (key_pos <= q_pos)
+                    & (key_pos >= key_lo))  # [R, KB]
+            if sliding_window is not None:
+                mask &= q_pos - key_pos < sliding_window
+            key_col = key0 + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)
+            key_valid = (key_col >= key_lo) & (key_col < key_hi)  # [KB, 1]
+            for h in range(num_kv_heads):
+                if squeezed:
+                    k = k_buf[slot].reshape(block_keys, -1)  # [KB, D]
+                    v = v_buf[slot].reshape(block_keys, -1)  # [KB, D]
+                else:
+                    k = k_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
+                    v = v_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
+                v = jnp.where(key_valid, v, jnp.zeros_like(v))
+                scores = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32) * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                scores = jnp.where(mask, scores, MASK_VALUE)  # [R, KB]
+                m_prev = m_ref[h]  # [R, 1]
+                m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))  # [R, 1]
+                p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)  # [R, KB]
+                alpha = jnp.exp(m_prev - m_new)  # [R, 1]
+                l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+                acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
+                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32)  # [R, D]
+                m_ref[h] = m_new
+            return carry
+
+        jax.lax.fori_loop(0, blocks, body, 0)
+        return carry
+
+    jax.lax.fori_loop(seq_lo_ref[tile], seq_hi_ref[tile] + 1, attend_sequence, 0)
+    l = l_ref[...]  # [Hkv, R, 1]
+    o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+
+
+def default_pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
+    page_bytes = page_size * num_kv_heads * head_dim * itemsize
+    by_memory = KV_BUFFER_BYTES // (4 * page_bytes)
+    return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "pages_per_block",
+                     "interpret"),
+)
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
+              soft_cap=None, sliding_window=None, q_block=None, pages_per_block=None,
+              interpret=False):
+    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
+
+    Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
+    decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
+    sliding_window). page_indices int32 [S, P]; kv_lens must be <= P * page_size. Rows of
+    no chunk come out as zeros. Returns [T, Hq, D].
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    max_seqs, pages_per_seq = page_indices.shape
+    q_block = q_block or DEFAULT_Q_BLOCK
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size, num_kv_heads, head_dim,
+                                                  k_pages.dtype.itemsize, pages_per_seq)
+    num_tiles = pl.cdiv(num_tokens, q_block)
+    padded = num_tiles * q_block
+    rows = q_block * group
+    q_heads = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0))).reshape(
+        padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
+        num_kv_heads, padded * group, head_dim)  # [Hkv, T' * G, D]
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * q_block  # [tiles]
+    seq_end = cu_q_lens[:-1] + chunk_len  # [S]
+    # Sequences overlapping tile t: chunks that end after its start and begin before its end.
+    seq_lo = jnp.searchsorted(seq_end, tile_start, side="right").astype(jnp.int32)
+    seq_hi = (jnp.searchsorted(cu_q_lens[:-1], tile_start + q_block, side="left") - 1)
+    seq_lo = jnp.minimum(seq_lo, max_seqs - 1)  # [tiles]
+    seq_hi = jnp.clip(seq_hi, -1, max_seqs - 1).astype(jnp.int32)  # [tiles]
+    squeezed = num_kv_heads == 1
+    page_shape = (page_size, head_dim) if squeezed else (page_size, num_kv_heads, head_dim)
+    if squeezed:  # the same bytes (see tpu_decode)
+        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
+        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
+    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda t, *_: (0, t, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    buffer = pltpu.VMEM((2, pages_per_block) + page_shape, k_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(num_tiles,),
+        in_specs=[q_spec, any_spec, any_spec, any_spec],
+        out_specs=q_spec,
+        scratch_shapes=[
+            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.SMEM((pages_per_seq,), jnp.int32), pltpu.SemaphoreType.DMA(()),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _kernel, q_block=q_block, group=group, page_size=page_size, pages_per_block=pages_per_block, sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
+        interpret=interpret,
+        name="prefill_attention_mosaic",
+    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, q_heads, page_indices, k_pages,
+      v_pages)  # [Hkv, T' * G, D]
+    out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]  # [T, Hq, D]

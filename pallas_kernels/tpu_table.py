@@ -1,0 +1,45 @@
+"""Page-table rows for the TPU kernels: copied from HBM into SMEM, only the part in use.
+
+A whole table does not fit SMEM (1 MiB: 256 sequences x 2048 pages is 2 MiB), so the kernels
+keep it in HBM and copy a sequence's entries for pages [first, last) before using them, in
+chunks of ROW_CHUNK entries: the copied bytes follow the sequence's length, not the table's
+width. The entries land at their own offsets in the SMEM row, so `row[page_slot]` reads them.
+Mosaic slices an HBM row only at offsets of whole 512-byte words (128 int32), so a table
+whose width is not a multiple of ROW_CHUNK is copied a whole row at a time.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+ROW_CHUNK = 128  # table entries per copy (512 bytes)
+
+
+def row_copies(table_hbm, seq, row_ref, sem, first, last, start: bool):
+    """Starts (start=True) or waits for the copies of table_hbm[seq, first:last] into the same
+    entries of row_ref [P] (SMEM), one per chunk; nothing when last <= first. A start and its
+    wait must be given the same (seq, first, last)."""
+    pages_per_seq = table_hbm.shape[1]
+
+    def act(copy):
+        if start:
+            copy.start()
+        else:
+            copy.wait()
+
+    if pages_per_seq % ROW_CHUNK:
+        @pl.when(last > first)
+        def _whole_row():
+            act(pltpu.make_async_copy(table_hbm.at[seq], row_ref, sem))
+        return
+    lo = jax.lax.div(first, ROW_CHUNK)
+    hi = jnp.where(last > first, jax.lax.div(last + ROW_CHUNK - 1, ROW_CHUNK), lo)
+
+    def body(c, carry):
+        offset = pl.multiple_of(c * ROW_CHUNK, ROW_CHUNK)
+        act(pltpu.make_async_copy(table_hbm.at[seq, pl.ds(offset, ROW_CHUNK)],
+                                  row_ref.at[pl.ds(offset, ROW_CHUNK)], sem))
+        return carry
+
+    jax.lax.fori_loop(lo, hi, body, 0)
