@@ -14,7 +14,7 @@ core's steps in order, so the copy started in one step is waited for in the next
 is `pages_per_block` pages, one contiguous DMA per page and per K/V; the last block's copies
 are clipped to the pages that hold valid keys, so a page-table entry past a sequence's pages
 is never read (it may be -1 or past the pool). The table stays in HBM: each sequence's
-entries in use are copied into SMEM one step ahead (double-buffered, `tpu_table`). Keys past `key_hi` inside the last page are
+entries in use are copied into SMEM one step ahead (double-buffered, `tpu_copies`). Keys past `key_hi` inside the last page are
 masked, and their V rows zeroed, so stale VMEM never reaches the output.
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu_table
+from pallas_kernels import tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves in turn.
@@ -88,32 +88,16 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
         """Starts or waits for the copy of sequence s's table entries in use into
         rows_ref[row_slot] (a batch-padding sequence, s >= batch, uses none)."""
         first, last = page_range(s)
-        tpu_table.row_copies(table_hbm, jnp.minimum(s, batch - 1), rows_ref.at[row_slot],
+        tpu_copies.row_copies(table_hbm, jnp.minimum(s, batch - 1), rows_ref.at[row_slot],
                              row_sems.at[row_slot], first, last, start)
 
-    def copies(s, row_slot, block, slot):
-        """The copy descriptors of block `block` of sequence s (table row in
-        rows_ref[row_slot]) into `slot`, each with whether it is needed (pages past the
-        sequence's last are not)."""
+    def copy_block(s, row_slot, index, slot, start):
+        """Starts or waits for block `index` of sequence s (table row in rows_ref[row_slot])
+        into `slot`: its pages up to the sequence's last."""
         first, last = page_range(s)
-        page0 = first + block * pages_per_block
-        out = []
-        for p in range(pages_per_block):
-            needed = page0 + p < last
-            # Not needed: a dummy in-table index (never started, never waited for).
-            page = rows_ref[row_slot, jnp.where(needed, page0 + p, 0)]
-            for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                out.append((needed, pltpu.make_async_copy(
-                    hbm.at[page], buf.at[slot, p], sems.at[kv, slot])))
-        return out
-
-    def start(s, row_slot, block, slot):
-        for needed, copy in copies(s, row_slot, block, slot):
-            pl.when(needed)(copy.start)
-
-    def wait(s, row_slot, block, slot):
-        for needed, copy in copies(s, row_slot, block, slot):
-            pl.when(needed)(copy.wait)
+        page0 = first + index * pages_per_block
+        tpu_copies.block_copies(rows_ref.at[row_slot], k_hbm, v_hbm, k_buf, v_buf, sems, slot,
+                                page0, jnp.minimum(last - page0, pages_per_block), start)
 
     # Table rows: each step's row was started by the previous step (by itself at step 0) and
     # waited for there if that step prefetched this sequence's first block.
@@ -141,31 +125,31 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
 
     @pl.when((blocks > 0) & ~prefetched)
     def _fetch_first():
-        start(seq, row_slot, 0, slot0)
+        copy_block(seq, row_slot, 0, slot0, start=True)
 
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     first_page, _ = page_range(seq)
     key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
-    def body(block, carry):
-        slot = jax.lax.rem(slot0 + block, 2)
+    def body(index, carry):
+        slot = jax.lax.rem(slot0 + index, 2)
         next_slot = 1 - slot
 
-        @pl.when(block + 1 < blocks)
+        @pl.when(index + 1 < blocks)
         def _prefetch_next_block():
-            start(seq, row_slot, block + 1, next_slot)
+            copy_block(seq, row_slot, index + 1, next_slot, start=True)
 
-        @pl.when((block + 1 == blocks) & (step + 1 < steps))
+        @pl.when((index + 1 == blocks) & (step + 1 < steps))
         def _prefetch_next_sequence():
             @pl.when(num_blocks(seq + 1) > 0)
             def _():
                 row_copy(seq + 1, 1 - row_slot, start=False)  # the next step will not wait
                 state_ref[1] = 1
-                start(seq + 1, 1 - row_slot, 0, next_slot)
+                copy_block(seq + 1, 1 - row_slot, 0, next_slot, start=True)
 
-        wait(seq, row_slot, block, slot)
-        key0 = (first_page + block * pages_per_block) * page_size
+        copy_block(seq, row_slot, index, slot, start=False)
+        key0 = (first_page + index * pages_per_block) * page_size
 
         def visible(shape, dim):
             key_pos = key0 + jax.lax.broadcasted_iota(jnp.int32, shape, dim)

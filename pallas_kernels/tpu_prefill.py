@@ -16,7 +16,7 @@ which `ragged_paged_attention` gives to the decode kernel) are masked out of a s
 softmax and come out as zeros here.
 
 Each sequence's page-table entries in use are copied from HBM into SMEM before its pages
-(`tpu_table`).
+(`tpu_copies`).
 K/V: manual async copies of `pages_per_block` pages per block into two VMEM slots, the next
 block of the sequence fetched while the current one computes; copies clipped to the pages
 that hold the sequence's keys, so table entries past them are never read; V rows past the
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu_table
+from pallas_kernels import tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 DEFAULT_Q_BLOCK = 128  # query tokens per tile
@@ -77,37 +77,27 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
         last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
         blocks = jax.lax.div(last - first + pages_per_block - 1, pages_per_block)
 
-        def copies(block, slot):
-            page0 = first + block * pages_per_block
-            out = []
-            for p in range(pages_per_block):
-                needed = page0 + p < last
-                page = row_ref[jnp.where(needed, page0 + p, 0)]
-                for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                    out.append((needed, pltpu.make_async_copy(
-                        hbm.at[page], buf.at[slot, p], sems.at[kv, slot])))
-            return out
-
-        def start(block, slot):
-            for needed, copy in copies(block, slot):
-                pl.when(needed)(copy.start)
+        def copy_block(index, slot, start):
+            """Starts or waits for block `index`'s pages (up to the last) into `slot`."""
+            page0 = first + index * pages_per_block
+            tpu_copies.block_copies(row_ref, k_hbm, v_hbm, k_buf, v_buf, sems, slot, page0,
+                                    jnp.minimum(last - page0, pages_per_block), start)
 
         @pl.when(blocks > 0)
         def _fetch_first():
-            tpu_table.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=True)
-            tpu_table.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=False)
-            start(0, 0)
+            tpu_copies.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=True)
+            tpu_copies.row_copies(table_hbm, s, row_ref, row_sem, first, last, start=False)
+            copy_block(0, 0, start=True)
 
-        def body(block, carry):
-            slot = jax.lax.rem(block, 2)
+        def body(index, carry):
+            slot = jax.lax.rem(index, 2)
 
-            @pl.when(block + 1 < blocks)
+            @pl.when(index + 1 < blocks)
             def _prefetch_next():
-                start(block + 1, 1 - slot)
+                copy_block(index + 1, 1 - slot, start=True)
 
-            for needed, copy in copies(block, slot):
-                pl.when(needed)(copy.wait)
-            key0 = (first + block * pages_per_block) * page_size
+            copy_block(index, slot, start=False)
+            key0 = (first + index * pages_per_block) * page_size
             key_pos = key0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
             q_pos = row_token + pos_shift  # [R, KB]
             mask = ((row_token >= a) & (row_token < b) & (key_pos <= q_pos)

@@ -1,11 +1,16 @@
-"""Page-table rows for the TPU kernels: copied from HBM into SMEM, only the part in use.
+"""The TPU kernels' manual copies: page-table rows into SMEM, K/V page blocks into VMEM.
 
+Page-table rows: copied from HBM into SMEM, only the part in use.
 A whole table does not fit SMEM (1 MiB: 256 sequences x 2048 pages is 2 MiB), so the kernels
 keep it in HBM and copy a sequence's entries for pages [first, last) before using them, in
 chunks of ROW_CHUNK entries: the copied bytes follow the sequence's length, not the table's
 width. The entries land at their own offsets in the SMEM row, so `row[page_slot]` reads them.
 Mosaic slices an HBM row only at offsets of whole 512-byte words (128 int32), so a table
 whose width is not a multiple of ROW_CHUNK is copied a whole row at a time.
+
+K/V blocks: one copy per page and per K/V, issued by a loop over exactly the block's pages in
+use (a loop, not one unrolled copy per possible page: the program stays small), each
+[page_size, (Hkv,) D] contiguous in HBM.
 """
 
 import jax
@@ -43,3 +48,22 @@ def row_copies(table_hbm, seq, row_ref, sem, first, last, start: bool):
         return carry
 
     jax.lax.fori_loop(lo, hi, body, 0)
+
+
+def block_copies(row_ref, k_hbm, v_hbm, k_buf, v_buf, sems, slot, page0, num_pages,
+                 start: bool):
+    """Starts or waits for the copies of pages row_ref[page0 : page0 + num_pages] of k_hbm and
+    v_hbm [N, page_size, (Hkv,) D] into k_buf[slot], v_buf[slot] [pages_per_block, ...]
+    (semaphores sems[0 (K) / 1 (V), slot]). A start and its wait must get the same pages."""
+
+    def body(p, carry):
+        page = row_ref[page0 + p]
+        for kv, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+            copy = pltpu.make_async_copy(hbm.at[page], buf.at[slot, p], sems.at[kv, slot])
+            if start:
+                copy.start()
+            else:
+                copy.wait()
+        return carry
+
+    jax.lax.fori_loop(0, num_pages, body, 0)
