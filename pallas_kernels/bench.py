@@ -6,8 +6,8 @@ with the default backend dispatch (Mosaic on TPU, Triton on GPU, interpret mode
 on CPU: expect CPU numbers to be meaningless for speed, it only proves the path
 runs). Reports time per call, achieved GB/s of K/V bytes read (written, for
 write_kv) and, with --peak-gbps, the percentage of that peak.
-Target: decode, --batch 64 --context 2048 --kv-heads 8 --head-dim 128 bf16 on
-an H200 at >= 60% of --peak-gbps 4800.
+For the issue's targets and an anchor (JAX's own Pallas kernels on the same inputs) run
+`python -m pallas_kernels.device_check` instead; this is for one shape at a time.
 """
 
 import argparse
