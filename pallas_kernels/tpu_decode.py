@@ -14,8 +14,9 @@ core's steps in order, so the copy started in one step is waited for in the next
 is `pages_per_block` pages, one contiguous DMA per page and per K/V; the last block's copies
 are clipped to the pages that hold valid keys, so a page-table entry past a sequence's pages
 is never read (it may be -1 or past the pool). The table stays in HBM: each sequence's
-entries in use are copied into SMEM one step ahead (double-buffered, `tpu_copies`). Keys past `key_hi` inside the last page are
-masked, and their V rows zeroed, so stale VMEM never reaches the output.
+entries in use are copied into SMEM one step ahead (double-buffered, `tpu_copies`). Keys
+past `key_hi` inside the last page are masked, and their V rows zeroed, so stale VMEM never
+reaches the output.
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
@@ -30,9 +31,12 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   single sequential loop, so megacore splits the batch; the cache keeps jaxserve's
   `[N, page_size, Hkv, D]` layout instead of RPA v3's fused K/V pages with heads packed
   along sublanes. With one kv head per device the pages are read as `[N, page_size, D]` (the
-  same bytes; XLA:TPU keeps the unit axis major), which is dense in bf16. With 2-4 kv heads
-  per device the `(Hkv, D)` minor tile is sublane-padded in HBM; fusing K and V per page as
-  RPA v3 does is the remedy and is left to the cache-layout work.
+  same bytes; XLA:TPU keeps the unit axis major), which is dense in bf16. Measured in full
+  compiles (tests/kernels/test_pallas_compile.py): head_dim 128 with 1 or 8 kv heads needs
+  no copy of the cache. Left to the cache-layout work: with 2-4 kv heads the VMEM block's
+  `(Hkv, D)` tile is sublane-padded and each head is a strided load (RPA v3's fused, packed
+  pages avoid both), and head_dim 64 (or float32 head_dim 256) makes XLA copy the whole
+  cache into the kernel's layout on every call.
 """
 
 import functools
@@ -132,6 +136,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     first_page, _ = page_range(seq)
     key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
+
     def body(index, carry):
         slot = jax.lax.rem(slot0 + index, 2)
         next_slot = 1 - slot

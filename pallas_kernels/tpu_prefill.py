@@ -16,13 +16,12 @@ which `ragged_paged_attention` gives to the decode kernel) are masked out of a s
 softmax and come out as zeros here.
 
 Each sequence's page-table entries in use are copied from HBM into SMEM before its pages
-(`tpu_copies`).
-K/V: manual async copies of `pages_per_block` pages per block into two VMEM slots, the next
-block of the sequence fetched while the current one computes; copies clipped to the pages
-that hold the sequence's keys, so table entries past them are never read; V rows past the
-range zeroed. Unlike the decode kernel there is no prefetch across sequences or tiles: a
-prefill block's compute (q_block * G rows) hides the first copy's latency poorly only for
-short chunks, which the decode kernel takes when they are one token long.
+(`tpu_copies`). K/V: manual async copies of `pages_per_block` pages per block into two VMEM
+slots, the next block of the sequence fetched while the current one computes; copies
+clipped to the pages that hold the sequence's keys, so table entries past them are never
+read; V rows past the range zeroed. Unlike the decode kernel there is no prefetch across
+sequences or tiles: each sequence's first block is waited for before it computes, a latency
+that a tile's compute (q_block * G rows a block) amortises except for very short chunks.
 
 Relation to RPA v3: like it, one kernel walks sequences inside a step with manual
 double-buffered page copies; unlike it, the tiles are fixed windows of the flat batch (not
