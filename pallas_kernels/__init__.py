@@ -10,14 +10,14 @@ Public API:
 KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim].
 
 Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
-sequence, the G query heads of a kv head as one block) and a ragged kernel for prefill
-chunks (`tpu_paged_attention`, `gpu_paged_attention`: work items of up to `q_block` query
-tokens). `paged_attention` is the decode kernel; `ragged_paged_attention` sends the rows
-with one new token (decode rows, also a one-token prefill chunk) to the decode kernel and
-the longer chunks to the ragged kernel, and merges the two by token.
+sequence, the G query heads of a kv head as one block) and a prefill kernel
+(`tpu_prefill`, `gpu_prefill`: tiles of `q_block` consecutive tokens of the flat batch).
+`paged_attention` is the decode kernel; `ragged_paged_attention` sends the rows with one new
+token (decode rows, also a one-token prefill chunk) to the decode kernel and the longer
+chunks to the prefill kernel, and merges the two by token (`batch_rows`).
 
 Safety contract: page-table entries past a sequence's pages may hold anything (-1, ids past
-the pool); the decode kernels never read them. A kv_len longer than the table covers
+the pool); no kernel reads them. A kv_len longer than the table covers
 (P * page_size) is a ValueError when kv_lens is concrete at trace time; under jit it is
 clamped to the table (the sequence attends to the keys its table holds).
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import (gpu_decode, gpu_prefill, reference, tpu_decode, tpu_prefill,
                             validation)
-from pallas_kernels import work_items as wi
+from pallas_kernels import batch_rows
 from pallas_kernels.kv_write import write_kv
 
 __all__ = ["paged_attention", "ragged_paged_attention", "write_kv", "reference"]
@@ -91,11 +91,11 @@ def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_
     """Decode kernel on q [B, Hq, D] (token b at kv_lens[b] - 1) -> [B, Hq, D]."""
     validation.check_table_covers(kv_lens, dims)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [B]
-    items = wi.decode_items(kv_lens, sliding_window)
+    key_lo, key_hi = batch_rows.decode_key_ranges(kv_lens, sliding_window)  # [B] each
     kernel = _decode_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap)
     batch = q.shape[0]
     q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
-    out = kernel(q_packed, k_pages, v_pages, page_indices, items.key_lo, items.key_hi)
+    out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi)
     return out.reshape(q.shape)  # [B, Hq, D]
 
 
@@ -136,8 +136,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     num_seqs int32[1]. Query i of sequence s sits at kv_lens[s] - q_len[s] + i and
     attends causally. Rows past cu_q_lens[num_seqs] and sequences >= num_seqs are
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
-    q_block: query tokens per block of the prefill kernel (default: 128-token tiles on TPU,
-    `gpu_prefill.default_q_block` on GPU). Sequences with one new token go to the decode
+    q_block: query tokens per tile of the prefill kernel (default: 128 on TPU,
+    `gpu_prefill.default_q_block` on GPU: 128 query rows). Sequences with one new token go to the decode
     kernel instead.
     """
     _check_backend(backend)
@@ -154,7 +154,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     num_tokens = q.shape[0]
     sm_scale = float(dims.head_dim**-0.5 if sm_scale is None else sm_scale)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [S]
-    rows = wi.split_rows(cu_q_lens, num_seqs)
+    rows = batch_rows.split_rows(cu_q_lens, num_seqs)
     prefill = _prefill_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, q_block=q_block)
     out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,

@@ -1,19 +1,19 @@
-"""Pallas GPU (Triton) attention for prefill chunks over paged K/V.
+"""Pallas GPU (Triton) attention for prefill chunks: query tiles of the flat batch over paged K/V.
 
 Why Triton rather than Mosaic GPU: the deployment presets target A100 (sm80) as well as
 H100/H200 (sm90). Pallas' Mosaic GPU backend needs sm90+ (TMA, wgmma), while the Triton
 backend compiles for both.
 
-The chunks are cut into work items (`work_items`): up to `q_block` consecutive query tokens
-of one sequence, packed as `[items, Hkv, q_block * G, D]`. One program per (work item, kv
-head) keeps the item's `q_block * G` query rows in registers ([R, D], R padded to a power of
-two >= 16 for tl.dot) and loops over the item's key range only, `block_keys` keys at a time:
-it gathers the page ids of the block, loads the K and V rows of those pages for its kv head
-(masked past the range, so page-table entries beyond it are never dereferenced), and folds
-them into an online softmax in float32. Every K/V byte is read once per (item, kv head) for
-all the query heads that share it. Triton software-pipelines the loop (`num_stages`).
-float32 inputs are multiplied at full precision (IEEE, not TF32). Decode rows go to
-`gpu_decode` instead.
+Like `tpu_prefill`, the batch's T tokens are cut into tiles of `q_block` consecutive tokens;
+one program per (tile, kv head) holds the tile's `q_block * G` query rows of its kv head
+(`TILE_ROWS` = 128 rows by default: 32 tokens of a 4-head group, 128 tokens without GQA,
+padded to a power of two for tl.dot) and loops over the sequences whose chunks overlap the
+tile, and for each over only the key blocks its rows see, `block_keys` keys at a time: it
+gathers the block's page ids, loads the K and V rows of its kv head (masked past the range,
+so page-table entries beyond it are never dereferenced), and folds them into an online
+softmax in float32 (rows of other sequences masked). No query is copied into per-sequence
+blocks. Triton software-pipelines the key loop (`num_stages`). float32 inputs are multiplied
+at full precision (IEEE, not TF32). Decode rows go to `gpu_decode` instead.
 """
 
 import functools
@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import work_items as wi
+from pallas_kernels import batch_rows
 from pallas_kernels.reference import MASK_VALUE
-from pallas_kernels.work_items import WorkItems
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 MIN_BLOCK_KEYS = 16  # tl.dot needs N, K >= 16
@@ -33,16 +32,16 @@ MIN_BLOCK_KEYS = 16  # tl.dot needs N, K >= 16
 # room for the query rows and Triton's scratch on every target: A100 offers 163 KiB per block,
 # H100/H200 227 KiB. (head_dim 256 in float32 with 64-key blocks would ask for 320 KiB.)
 KV_STAGE_BYTES = 64 << 10
-DEFAULT_Q_BLOCK = 16  # query tokens per work item (at most)
-# A work item's packed query rows (q_block * G of head_dim) stay within this many bytes: the
-# kernel keeps them on chip beside the K/V blocks (A100: 163 KiB of shared memory per block).
+TILE_ROWS = 128  # query rows (tokens x group heads) per program
+# A tile's query rows stay within this many bytes: the kernel keeps them on chip beside the
+# K/V blocks.
 QUERY_BLOCK_BYTES = 64 << 10
 
 
 def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
-    """Query tokens per work item: DEFAULT_Q_BLOCK, halved while the item's rows
+    """Query tokens per tile: TILE_ROWS // group, halved while the tile's rows
     (q_block * group of head_dim) exceed QUERY_BLOCK_BYTES."""
-    q_block = DEFAULT_Q_BLOCK
+    q_block = max(1, TILE_ROWS // group)
     while q_block > 1 and q_block * group * head_dim * itemsize > QUERY_BLOCK_BYTES:
         q_block //= 2
     return q_block
@@ -58,115 +57,128 @@ def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages:
     return block_keys
 
 
-def _kernel(seq_ref, pos0_ref, kv_len_ref, key_lo_ref, key_hi_ref, pt_ref, q_ref,
-            k_ref, v_ref, o_ref, *, group, page_size, block_keys, sm_scale,
-            soft_cap, sliding_window, precision):
-    # q_ref, o_ref [R, D]; k_ref, v_ref [num_pages * page_size, Hkv, D]; pt_ref [S, P].
-    item, head = pl.program_id(0), pl.program_id(1)
-    seq, pos0, kv_len = seq_ref[item], pos0_ref[item], kv_len_ref[item]
-    key_lo, key_hi = key_lo_ref[item], key_hi_ref[item]
-    q = q_ref[...]  # [R, D]
+def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, k_ref,
+            v_ref, o_ref, *, q_block, group, page_size, block_keys, sm_scale, soft_cap,
+            sliding_window, precision):
+    # q_ref, o_ref [R', D] (row r: token tile * q_block + r // group, rows past q_block * G
+    # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P].
+    tile, head = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...]  # [R', D]
     rows, head_dim = q.shape
     pages_per_seq = pt_ref.shape[1]
-    q_pos = pos0 + jax.lax.div(jnp.arange(rows, dtype=jnp.int32), group)  # [R]
+    tile_start = tile * q_block
+    row = jnp.arange(rows, dtype=jnp.int32)  # [R']
+    row_token = jnp.where(row < q_block * group, tile_start + jax.lax.div(row, group),
+                          -1)  # [R'] -1: padding row
     lanes = jnp.arange(head_dim, dtype=jnp.int32)  # [D]
 
-    def body(block, carry):
-        m, l, acc = carry  # [R], [R], [R, D]
-        key_pos = block * block_keys + jnp.arange(block_keys, dtype=jnp.int32)  # [KB]
-        slot = jax.lax.div(key_pos, page_size)  # [KB]
-        in_range = (key_pos < key_hi) & (slot < pages_per_seq)  # [KB]
-        page = plgpu.load(pt_ref.at[seq, slot], mask=in_range, other=0)  # [KB]
-        kv_row = page * page_size + jax.lax.rem(key_pos, page_size)  # [KB]
-        # All-array indices (not a slice on D) so interpret mode can discharge the gather.
-        kv_idx = (kv_row[:, None], head, lanes[None, :])
-        k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
-        v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32) * sm_scale  # [R, KB]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = (in_range[None, :] & (key_pos[None, :] <= q_pos[:, None])
-                & (key_pos[None, :] < kv_len))  # [R, KB]
-        if sliding_window is not None:
-            mask &= q_pos[:, None] - key_pos[None, :] < sliding_window
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))  # [R]
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [R, KB]
-        alpha = jnp.exp(m - m_new)  # [R]
-        l = alpha * l + p.sum(axis=1)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=precision,
-                                 preferred_element_type=jnp.float32)  # [R, D]
-        return m_new, l, alpha[:, None] * acc + pv
+    def attend_sequence(s, carry):
+        q_len, first_token, kv_len = chunk_ref[s], cu_ref[s], kv_lens_ref[s]
+        a = jnp.maximum(first_token, tile_start)  # the sequence's tokens in this tile: [a, b)
+        b = jnp.minimum(first_token + q_len, tile_start + q_block)
+        pos_shift = kv_len - q_len - first_token  # position = token + pos_shift
+        key_hi = jnp.where(b > a, b + pos_shift, 0)  # one past the last row's position
+        key_lo = jnp.zeros_like(key_hi) if sliding_window is None else jnp.maximum(
+            a + pos_shift - sliding_window + 1, 0)
+        key_lo = jnp.minimum(key_lo, key_hi)
+        mine = (row_token >= a) & (row_token < b)  # [R']
+        q_pos = row_token + pos_shift  # [R']
+
+        def body(block, carry):
+            m, l, acc = carry  # [R'], [R'], [R', D]
+            key_pos = block * block_keys + jnp.arange(block_keys, dtype=jnp.int32)  # [KB]
+            slot = jax.lax.div(key_pos, page_size)  # [KB]
+            in_range = (key_pos >= key_lo) & (key_pos < key_hi) & (slot < pages_per_seq)
+            page = plgpu.load(pt_ref.at[s, slot], mask=in_range, other=0)  # [KB]
+            kv_row = page * page_size + jax.lax.rem(key_pos, page_size)  # [KB]
+            # All-array indices (not a slice on D) so interpret mode can discharge the gather.
+            kv_idx = (kv_row[:, None], head, lanes[None, :])
+            k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
+            v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
+            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32) * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            mask = (mine[:, None] & in_range[None, :]
+                    & (key_pos[None, :] <= q_pos[:, None]))  # [R', KB]
+            if sliding_window is not None:
+                mask &= q_pos[:, None] - key_pos[None, :] < sliding_window
+            scores = jnp.where(mask, scores, MASK_VALUE)  # [R', KB]
+            m_new = jnp.maximum(m, scores.max(axis=1))  # [R']
+            p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)  # [R', KB]
+            alpha = jnp.exp(m - m_new)  # [R']
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     precision=precision,
+                                     preferred_element_type=jnp.float32)  # [R', D]
+            return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
+
+        first = jax.lax.div(key_lo, block_keys)
+        last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + block_keys - 1, block_keys),
+                         first)
+        return jax.lax.fori_loop(first, last, body, carry)
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(jax.lax.div(key_lo, block_keys),
-                                  jax.lax.div(key_hi + block_keys - 1, block_keys), body, init)
+    _, l, acc = jax.lax.fori_loop(seq_lo_ref[tile], seq_hi_ref[tile] + 1, attend_sequence,
+                                  init)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group", "sm_scale", "soft_cap", "sliding_window", "block_keys",
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "block_keys",
                      "num_warps", "num_stages", "interpret"),
 )
-def items_attention(q, k_pages, v_pages, page_indices, items: WorkItems, *, group, sm_scale,
-                    soft_cap=None, sliding_window=None, block_keys=None, num_warps=4,
-                    num_stages=2, interpret=False):
-    """Attention of packed query rows over paged K/V.
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
+              soft_cap=None, sliding_window=None, q_block=None, block_keys=None, num_warps=None,
+              num_stages=2, interpret=False):
+    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
 
-    q [I, Hkv, R, D] (row r = query token r // group); k_pages, v_pages
-    [N, page_size, Hkv, D]; page_indices int32 [S, P]; items: WorkItems of [I].
-    Returns [I, Hkv, R, D]. block_keys: keys per loop step (default
-    `default_block_keys`); must be a power of two.
+    Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
+    decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
+    sliding_window). page_indices int32 [S, P]. Rows of no chunk come out as zeros.
+    q_block default: `default_q_block`; block_keys (a power of two) default:
+    `default_block_keys`; num_warps default: 8 when the tile's float32 accumulator has
+    128 x 128 elements or more (it spills registers with 4, measured with ptxas), else 4.
+    Returns [T, Hq, D].
     """
-    num_items, num_kv_heads, rows, head_dim = q.shape
-    num_pages, page_size = k_pages.shape[:2]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
     if block_keys is None:
         block_keys = default_block_keys(page_size, head_dim, k_pages.dtype.itemsize, num_stages)
+    num_tiles = pl.cdiv(num_tokens, q_block)
+    rows = q_block * group
     padded_rows = max(MIN_DOT_ROWS, pl.next_power_of_2(rows))
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [I, Hkv, R', D]
+    if num_warps is None:
+        num_warps = 8 if padded_rows * head_dim >= 128 * 128 else 4
+    q_tiles = jnp.pad(q, ((0, num_tiles * q_block - num_tokens), (0, 0), (0, 0)))
+    q_tiles = q_tiles.reshape(num_tiles, q_block, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, padded_rows - rows),
+                                (0, 0)))  # [tiles, Hkv, R', D]
+    seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     kernel = functools.partial(
-        _kernel, group=group, page_size=page_size, block_keys=block_keys,
+        _kernel, q_block=q_block, group=group, page_size=page_size, block_keys=block_keys,
         sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    row_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda i, h: (i, h, 0, 0))
+    tile_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda t, h: (t, h, 0, 0))
     out = pl.pallas_call(
         kernel,
-        grid=(num_items, num_kv_heads),
-        in_specs=[any_spec] * 6 + [row_spec, any_spec, any_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[any_spec] * 6 + [tile_spec, any_spec, any_spec],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="prefill_attention_triton",
-    )(*items, page_indices, q,
+    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, page_indices, q_tiles,
       k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim),
-      v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim))
-    return out[:, :, :rows]  # [I, Hkv, R, D]
-
-
-def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
-              soft_cap=None, sliding_window=None, q_block=None, interpret=False):
-    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
-
-    Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here), at
-    positions ending at kv_lens[s] - 1. Rows of no chunk come out as zeros. q_block default:
-    `default_q_block`. Returns [T, Hq, D].
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
-    group = num_q_heads // num_kv_heads
-    q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
-    items, row0, q_len = wi.ragged_items(kv_lens, cu_q_lens, chunk_len, num_tokens, q_block,
-                                         sliding_window)
-    q_packed, token = wi.pack_queries(q, row0, q_len, num_kv_heads, q_block)
-    out = items_attention(q_packed, k_pages, v_pages, page_indices, items, group=group,
-                          sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                          interpret=interpret)  # [I, Hkv, q_block * G, D]
-    return wi.unpack_outputs(out, token, num_tokens, q_block)  # [T, Hq, D]
+      v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim))  # [tiles, Hkv, R', D]
+    out = out[:, :, :rows].reshape(num_tiles, num_kv_heads, q_block, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles * q_block, num_q_heads, head_dim)
+    return out[:num_tokens]  # [T, Hq, D]

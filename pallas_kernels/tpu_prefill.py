@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu_copies
+from pallas_kernels import batch_rows, tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 DEFAULT_Q_BLOCK = 128  # query tokens per tile
@@ -161,7 +161,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    max_seqs, pages_per_seq = page_indices.shape
+    pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size, num_kv_heads, head_dim,
@@ -172,13 +172,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     q_heads = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0))).reshape(
         padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
         num_kv_heads, padded * group, head_dim)  # [Hkv, T' * G, D]
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * q_block  # [tiles]
-    seq_end = cu_q_lens[:-1] + chunk_len  # [S]
-    # Sequences overlapping tile t: chunks that end after its start and begin before its end.
-    seq_lo = jnp.searchsorted(seq_end, tile_start, side="right").astype(jnp.int32)
-    seq_hi = (jnp.searchsorted(cu_q_lens[:-1], tile_start + q_block, side="left") - 1)
-    seq_lo = jnp.minimum(seq_lo, max_seqs - 1)  # [tiles]
-    seq_hi = jnp.clip(seq_hi, -1, max_seqs - 1).astype(jnp.int32)  # [tiles]
+    seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     squeezed = num_kv_heads == 1
     page_shape = (page_size, head_dim) if squeezed else (page_size, num_kv_heads, head_dim)
     if squeezed:  # the same bytes (see tpu_decode)

@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels as pk
-from pallas_kernels import gpu_decode, reference, work_items
+from pallas_kernels import batch_rows, gpu_decode, reference
 
 BF16 = ml_dtypes.bfloat16
 PAGE = 16
@@ -88,9 +88,9 @@ def test_gpu_split_k_matches_reference(make_case, splits):
         make_case, splits, pages_per_seq=40, kv_lens=(0, 1, 40 * PAGE, 17 * PAGE + 3, 300, 33))
     q = case.queries(len(kv_lens))
     _, _, hkv, d = case.k_pages.shape
-    items = work_items.decode_items(kv_lens, None)
+    key_lo, key_hi = batch_rows.decode_key_ranges(kv_lens, None)
     out = gpu_decode.attention(q.reshape(len(kv_lens), hkv, -1, d), case.k_pages,
-                               case.v_pages, table, items.key_lo, items.key_hi,
+                               case.v_pages, table, key_lo, key_hi,
                                sm_scale=d**-0.5, splits=splits, interpret=True)
     want = reference.paged_attention(q, denan(case.k_pages),
                                      denan(case.v_pages), kv_lens, clean)
