@@ -19,6 +19,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 ROW_CHUNK = 128  # table entries per copy (512 bytes)
+TARGET_BLOCK_KEYS = 512  # keys per copy block: large copies amortise the DMA issue cost
+
+
+def pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq,
+                    buffer_bytes):
+    """Pages per copy block: TARGET_BLOCK_KEYS keys, fewer if K and V's two slots would
+    exceed buffer_bytes of VMEM, never more than a sequence's table holds."""
+    page_bytes = page_size * num_kv_heads * head_dim * itemsize
+    by_memory = buffer_bytes // (4 * page_bytes)
+    return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
 
 
 def row_copies(table_hbm, seq, row_ref, sem, first, last, start: bool):

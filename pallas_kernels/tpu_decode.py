@@ -50,16 +50,7 @@ from pallas_kernels import tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves in turn.
-TARGET_BLOCK_KEYS = 512  # keys per copy block: large copies amortise the DMA issue cost
 KV_BUFFER_BYTES = 8 << 20  # VMEM for K and V, both slots (v5e's scoped default is 16 MiB)
-
-
-def default_pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
-    """Pages per copy block: TARGET_BLOCK_KEYS keys, fewer if K and V's two slots would
-    exceed KV_BUFFER_BYTES, never more than a sequence's table holds."""
-    page_bytes = page_size * num_kv_heads * head_dim * itemsize
-    by_memory = KV_BUFFER_BYTES // (4 * page_bytes)
-    return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
 
 
 def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
@@ -209,8 +200,9 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     num_pages, page_size = k_pages.shape[:2]
     pages_per_seq = page_indices.shape[1]
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size, num_kv_heads, head_dim,
-                                                  k_pages.dtype.itemsize, pages_per_seq)
+        pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
+                                                     k_pages.dtype.itemsize, pages_per_seq,
+                                                     KV_BUFFER_BYTES)
     # One kv head per device: `[N, page_size, 1, D]` is laid out with the unit axis major on
     # TPU, so `[N, page_size, D]` is the same bytes (a bitcast, no relayout of the cache).
     squeezed = num_kv_heads == 1

@@ -39,7 +39,6 @@ from pallas_kernels import batch_rows, tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 DEFAULT_Q_BLOCK = 128  # query tokens per tile
-TARGET_BLOCK_KEYS = 512
 KV_BUFFER_BYTES = 4 << 20  # K and V, both slots
 VMEM_LIMIT_BYTES = 48 << 20  # tiles of 128 tokens x 32 heads need more than v5e's 16 MiB default
 
@@ -137,12 +136,6 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-def default_pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
-    page_bytes = page_size * num_kv_heads * head_dim * itemsize
-    by_memory = KV_BUFFER_BYTES // (4 * page_bytes)
-    return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "pages_per_block",
@@ -164,8 +157,9 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size, num_kv_heads, head_dim,
-                                                  k_pages.dtype.itemsize, pages_per_seq)
+        pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
+                                                     k_pages.dtype.itemsize, pages_per_seq,
+                                                     KV_BUFFER_BYTES)
     num_tiles = pl.cdiv(num_tokens, q_block)
     padded = num_tiles * q_block
     rows = q_block * group
