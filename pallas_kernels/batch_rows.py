@@ -4,7 +4,8 @@
   chunks to the prefill kernel.
 - `decode_key_ranges`: the keys each decode row sees (both decode kernels).
 - `tile_sequences`: the sequences whose chunks overlap each prefill tile (both prefill
-  kernels cut the flat batch into tiles of q_block tokens).
+  kernels cut the flat batch into tiles of q_block tokens); `chunk_in_tile`: which of a
+  chunk's tokens a tile holds and the keys they see (scalar jnp, inside the kernels).
 
 A query at position p of a sequence with kv_len keys sees keys [max(0, p - W + 1), p + 1)
 with a sliding window W, [0, p + 1) without; kernels visit only the pages overlapping it.
@@ -49,3 +50,17 @@ def tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block):
     seq_hi = jnp.searchsorted(cu_q_lens[:-1], tile_start + q_block, side="left") - 1
     return (jnp.minimum(seq_lo, max_seqs - 1).astype(jnp.int32),
             jnp.clip(seq_hi, -1, max_seqs - 1).astype(jnp.int32))
+
+
+def chunk_in_tile(first_token, q_len, kv_len, tile_start, q_block, sliding_window):
+    """For a chunk of q_len tokens from flat token first_token, ending at position
+    kv_len - 1, and the tile of q_block tokens from tile_start: (a, b) the chunk's tokens in
+    the tile, [a, b); pos_shift (a token's position is token + pos_shift); and
+    (key_lo, key_hi) the keys those tokens see (key_hi = 0: none)."""
+    a = jnp.maximum(first_token, tile_start)
+    b = jnp.minimum(first_token + q_len, tile_start + q_block)
+    pos_shift = kv_len - q_len - first_token
+    key_hi = jnp.where(b > a, b + pos_shift, 0)  # one past the last token's position
+    key_lo = jnp.zeros_like(key_hi) if sliding_window is None else jnp.maximum(
+        a + pos_shift - sliding_window + 1, 0)
+    return a, b, pos_shift, jnp.minimum(key_lo, key_hi), key_hi

@@ -31,6 +31,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels import reference
+from pallas_kernels.bench import time_call
 
 # Peak HBM bandwidth, GB/s, by a substring of jax's device_kind (vendors' data sheets).
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "TPU v6": 1640, "TPU v5 lite": 819,
@@ -61,16 +62,6 @@ class Results:
         print(json.dumps(row), flush=True)
         if self.path:
             self.path.write_text(json.dumps(self.data, indent=1))
-
-
-def time_call(fn, args, iterations):
-    """Seconds per call after a warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(iterations):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iterations
 
 
 def poisoned_table(rng, kv_lens, pages_per_seq, page_size, num_pages):

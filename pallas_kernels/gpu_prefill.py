@@ -74,13 +74,8 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
 
     def attend_sequence(s, carry):
         q_len, first_token, kv_len = chunk_ref[s], cu_ref[s], kv_lens_ref[s]
-        a = jnp.maximum(first_token, tile_start)  # the sequence's tokens in this tile: [a, b)
-        b = jnp.minimum(first_token + q_len, tile_start + q_block)
-        pos_shift = kv_len - q_len - first_token  # position = token + pos_shift
-        key_hi = jnp.where(b > a, b + pos_shift, 0)  # one past the last row's position
-        key_lo = jnp.zeros_like(key_hi) if sliding_window is None else jnp.maximum(
-            a + pos_shift - sliding_window + 1, 0)
-        key_lo = jnp.minimum(key_lo, key_hi)
+        a, b, pos_shift, key_lo, key_hi = batch_rows.chunk_in_tile(
+            first_token, q_len, kv_len, tile_start, q_block, sliding_window)
         mine = (row_token >= a) & (row_token < b)  # [R']
         q_pos = row_token + pos_shift  # [R']
 

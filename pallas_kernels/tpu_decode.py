@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu_copies
+from pallas_kernels import tpu_attend, tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves in turn.
@@ -66,7 +66,6 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
     seq = core * steps + step
     block_keys = page_size * pages_per_block
     num_kv_heads, group, _ = q_ref.shape
-    squeezed = len(k_buf.shape) == 4
 
     def page_range(s):
         """(first page, one past the last page) holding keys of sequence s."""
@@ -153,28 +152,8 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
 
         mask = visible((1, block_keys), 1)  # [1, KB] for the scores
         key_valid = visible((block_keys, 1), 0)  # [KB, 1] for the V rows
-        for h in range(num_kv_heads):
-            if squeezed:
-                k = k_buf[slot].reshape(block_keys, -1)  # [KB, D]
-                v = v_buf[slot].reshape(block_keys, -1)  # [KB, D]
-            else:
-                k = k_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
-                v = v_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
-            v = jnp.where(key_valid, v, jnp.zeros_like(v))  # stale rows may hold anything
-            s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) * sm_scale  # [G, KB]
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask, s, MASK_VALUE)
-            m_prev = m_ref[h]  # [G, 1]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # [G, 1]
-            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [G, KB]
-            alpha = jnp.exp(m_prev - m_new)  # [G, 1]
-            l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32)  # [G, D]
-            m_ref[h] = m_new
+        tpu_attend.attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref,
+                                acc_ref, sm_scale=sm_scale, soft_cap=soft_cap)
         return carry
 
     jax.lax.fori_loop(0, blocks, body, 0)

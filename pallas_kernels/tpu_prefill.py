@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import batch_rows, tpu_copies
+from pallas_kernels import batch_rows, tpu_attend, tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 DEFAULT_Q_BLOCK = 128  # query tokens per tile
@@ -53,7 +53,6 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     tile = pl.program_id(0)
     num_kv_heads, rows, _ = q_ref.shape
     block_keys = page_size * pages_per_block
-    squeezed = len(k_buf.shape) == 4
     tile_start = tile * q_block
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -64,13 +63,8 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
 
     def attend_sequence(s, carry):
         q_len, first_token, kv_len = chunk_ref[s], cu_ref[s], kv_lens_ref[s]
-        a = jnp.maximum(first_token, tile_start)  # the sequence's tokens in this tile: [a, b)
-        b = jnp.minimum(first_token + q_len, tile_start + q_block)
-        pos_shift = kv_len - q_len - first_token  # position = token + pos_shift
-        key_hi = jnp.where(b > a, b + pos_shift, 0)  # one past the last row's position
-        key_lo = jnp.zeros_like(key_hi) if sliding_window is None else jnp.maximum(
-            a + pos_shift - sliding_window + 1, 0)
-        key_lo = jnp.minimum(key_lo, key_hi)
+        a, b, pos_shift, key_lo, key_hi = batch_rows.chunk_in_tile(
+            first_token, q_len, kv_len, tile_start, q_block, sliding_window)
         first = jax.lax.div(key_lo, page_size)
         last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
         blocks = jax.lax.div(last - first + pages_per_block - 1, pages_per_block)
@@ -104,28 +98,8 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
                 mask &= q_pos - key_pos < sliding_window
             key_col = key0 + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)
             key_valid = (key_col >= key_lo) & (key_col < key_hi)  # [KB, 1]
-            for h in range(num_kv_heads):
-                if squeezed:
-                    k = k_buf[slot].reshape(block_keys, -1)  # [KB, D]
-                    v = v_buf[slot].reshape(block_keys, -1)  # [KB, D]
-                else:
-                    k = k_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
-                    v = v_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
-                v = jnp.where(key_valid, v, jnp.zeros_like(v))
-                scores = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
-                                             preferred_element_type=jnp.float32) * sm_scale
-                if soft_cap is not None:
-                    scores = soft_cap * jnp.tanh(scores / soft_cap)
-                scores = jnp.where(mask, scores, MASK_VALUE)  # [R, KB]
-                m_prev = m_ref[h]  # [R, 1]
-                m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))  # [R, 1]
-                p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)  # [R, KB]
-                alpha = jnp.exp(m_prev - m_new)  # [R, 1]
-                l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
-                acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
-                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32)  # [R, D]
-                m_ref[h] = m_new
+            tpu_attend.attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref,
+                                    acc_ref, sm_scale=sm_scale, soft_cap=soft_cap)
             return carry
 
         jax.lax.fori_loop(0, blocks, body, 0)
