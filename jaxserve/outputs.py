@@ -12,7 +12,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while still running
+    # "stop", "length", "abort", "error", "grammar_dead_end" (structured output could not go
+    # on), or None while still running
+    finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None  # per token: {id: log-prob}, if asked
 
 
@@ -25,3 +27,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # With `SamplingParams.prompt_logprobs`: per prompt token {id: log-prob} of it and the
+    # most likely tokens at its position; None for the first token (nothing precedes it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

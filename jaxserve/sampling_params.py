@@ -7,6 +7,7 @@ Validated at construction: a bad value is an `InvalidRequestError` (a `ValueErro
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.errors import InvalidRequestError
 
@@ -27,6 +28,12 @@ class SamplingParams:
     strings end the text before the string; `stop_token_ids` and the model's eos end it
     after the token (eos unless `ignore_eos`). `seed` makes sampling
     reproducible: the same seed and prompt give the same tokens whatever else is batched.
+    `prompt_logprobs` N returns, per prompt token after the first, its log-probability and the
+    N most likely tokens' at its position (`RequestOutput.prompt_logprobs`); such a request
+    computes its whole prompt (it does not read the prefix cache). `max_tokens` 0 is allowed
+    with it: only the prompt is scored. `structured_outputs` constrains the output to a JSON
+    schema, a regex, a choice of strings or a grammar (`StructuredOutputsParams`, or a dict of
+    its fields).
     `output_kind` says how the caller reads the output: "delta" (streaming: every token is
     delivered as soon as it is sampled, so a batch holding such a request decodes one token
     per step) or "final_only" (only the finished output is read, so the engine may run
@@ -47,6 +54,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: Any = None  # StructuredOutputsParams | dict | None
     output_kind: str = "delta"
 
     def __post_init__(self):
@@ -58,20 +67,24 @@ class SamplingParams:
                 "top_k", f"top_k must be -1 (disabled) or a positive integer up to "
                          f"{INT32_MAX}, got {self.top_k}")
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidRequestError(name, f"{name} must be between 0 and "
+                                              f"{MAX_LOGPROBS}, got {value}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
+            least = 0 if self.prompt_logprobs is not None else 1
+            if self.max_tokens < least:
                 raise InvalidRequestError(
-                    "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+                    "max_tokens", f"max_tokens must be at least 1 (0 only with "
+                                  f"prompt_logprobs), got {self.max_tokens}")
         _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0,
                       low_open=True)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidRequestError("logprobs", f"logprobs must be between 0 and "
-                                          f"{MAX_LOGPROBS}, got {self.logprobs}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.output_kind not in OUTPUT_KINDS:
@@ -89,6 +102,17 @@ class SamplingParams:
             if not 0 <= token < 2**31:
                 raise InvalidRequestError(
                     "stop_token_ids", f"stop_token_ids must be non-negative token ids, got {token}")
+        if self.structured_outputs is not None:
+            from jaxserve.structured_output import StructuredOutputsParams
+            if isinstance(self.structured_outputs, dict):
+                try:
+                    self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                except TypeError as err:  # a key that is no field
+                    raise InvalidRequestError("structured_outputs", str(err)) from None
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError(
+                    "structured_outputs", "structured_outputs must be a "
+                    f"StructuredOutputsParams or a dict, got {self.structured_outputs!r}")
 
     @property
     def has_penalties(self) -> bool:

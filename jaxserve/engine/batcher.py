@@ -3,6 +3,11 @@
 Every compiled program has one (tokens, sequences) shape from the two bucket ladders, so the
 step's real sizes are rounded up to the next rung; padding tokens write nowhere (slot -1) and
 padding sequences have no tokens and page tables of the padding page 0.
+
+Two per-step extras ride along only when a request asks for them: `prompt_targets` (the
+prompt token that follows each position, for prompt log-probabilities) and `allowed` (the
+next-token bitmask of each row under structured output, computed by the row's grammar when
+its last token was booked; free rows allow everything).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class SamplingArrays:
     frequency: np.ndarray  # [B] float32, 0 = off
     repetition: np.ndarray  # [B] float32, 1 = off
     wants_logprobs: np.ndarray  # [B] bool, the request asked for log-probabilities
+    constrained: np.ndarray  # [B] bool, the row samples under a grammar (`StepInput.allowed`)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
@@ -56,6 +62,8 @@ class SamplingArrays:
             frequency=column((p.frequency_penalty for p in params), 0.0, np.float32),
             repetition=column((p.repetition_penalty for p in params), 1.0, np.float32),
             wants_logprobs=column((p.logprobs is not None for p in params), False, np.bool_),
+            constrained=column((p.structured_outputs is not None for p in params), False,
+                               np.bool_),
         )
 
 
@@ -81,6 +89,13 @@ class StepInput:
     # read-only all -1 view, which the runner does not copy to the device)
     history: np.ndarray
     prompt_lens: np.ndarray  # [S] int32, how many of `history` are prompt tokens
+    # [T] int32: for a token of a request that wants prompt log-probabilities, the prompt
+    # token at the next position (-1 elsewhere, and past the prompt's last token)
+    prompt_targets: np.ndarray
+    # [S, ceil(V / 32)] int32 bitmask of the tokens each row may sample (bit j of word i:
+    # token 32 i + j); all ones (-1) for a free row; without constrained rows, a read-only
+    # all -1 view that the runner does not copy to the device
+    allowed: np.ndarray
 
     @property
     def has_penalties(self) -> bool:
@@ -88,6 +103,11 @@ class StepInput:
         its token history)."""
         s = self.sampling
         return bool(s.presence.any() or s.frequency.any() or (s.repetition != 1).any())
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether some row samples under a grammar (and so needs its bitmask copied)."""
+        return bool(self.sampling.constrained.any())
 
 
 def bucket_for(ladder: tuple[int, ...], size: int) -> int:
@@ -98,8 +118,9 @@ def bucket_for(ladder: tuple[int, ...], size: int) -> int:
     return ladder[index]
 
 
-def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
-    """Pack the scheduled chunks, padded to (token bucket, sequence bucket)."""
+def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int) -> StepInput:
+    """Pack the scheduled chunks, padded to (token bucket, sequence bucket); `mask_words`:
+    int32 words of a row's token bitmask, ceil(vocabulary / 32)."""
     num_seqs = len(out.chunks)
     rows = bucket_for(config.seq_buckets, num_seqs)
     if out.decode_only:
@@ -121,6 +142,11 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
     else:
         history = np.broadcast_to(np.int32(-1), (rows, config.max_model_len))
     prompt_lens = np.zeros(rows, np.int32)
+    prompt_targets = np.full(tokens, -1, np.int32)
+    if any(c.seq.params.structured_outputs is not None for c in out.chunks):
+        allowed = np.full((rows, mask_words), -1, np.int32)
+    else:
+        allowed = np.broadcast_to(np.int32(-1), (rows, mask_words))
     start = 0
     for i, chunk in enumerate(out.chunks):
         seq, count = chunk.seq, chunk.num_tokens
@@ -136,6 +162,12 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         slots[start:start + count] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[i] = first + count
         page_indices[i, :len(pages)] = pages
+        if seq.params.prompt_logprobs is not None:
+            prompt = seq.prompt_token_ids
+            scored = pos[pos + 1 < len(prompt)]  # positions whose next token is the prompt's
+            prompt_targets[start:start + len(scored)] = np.asarray(prompt)[scored + 1]
+        if seq.grammar is not None:
+            allowed[i] = seq.grammar.mask
         start += count
         cu_q_lens[i + 1] = start
         max_new[i] = seq.remaining_new_tokens
@@ -154,4 +186,5 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig) -> StepInput:
         page_indices=page_indices, cu_q_lens=cu_q_lens,
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,
-        stop_ids=stop_ids, history=history, prompt_lens=prompt_lens)
+        stop_ids=stop_ids, history=history, prompt_lens=prompt_lens,
+        prompt_targets=prompt_targets, allowed=allowed)

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import logging
 import queue
+import threading
 import time
 from typing import Iterable
 
@@ -54,10 +55,10 @@ from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.program_cache import warn_near_mapping_limit
 from jaxserve.engine.replica import InFlight, Replica, on_mesh
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.sampler import SampleResult
+from jaxserve.engine.sampler import SampleResult, TargetLogprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
-from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.engine.sequence import GrammarState, Sequence, Status
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import shard_model, stack_layers
 
@@ -147,6 +148,8 @@ class Engine:
         self._processors: dict[str, OutputProcessor] = {}
         self._owners: dict[str, Replica] = {}  # request id → the replica serving it
         self._seed_rng = np.random.default_rng(0)
+        self._grammars = None  # GrammarCompiler, built at the first structured request
+        self._grammars_lock = threading.Lock()
         self._stopped = False
         self.failure: str | None = None  # why the engine gave up, for good
         if multihost.is_multiprocess() and multihost.is_leader():
@@ -172,11 +175,36 @@ class Engine:
         if len(ids) >= limit:
             raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; max_model_len is "
                                       f"{limit} (prompt plus at least one new token)")
-        max_new = min(params.max_tokens or limit, limit - len(ids))
+        # max_tokens 0 (prompt log-probabilities only): one token is sampled, never shown.
+        wanted = limit if params.max_tokens is None else max(params.max_tokens, 1)
+        max_new = min(wanted, limit - len(ids))
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = GrammarState.start(self.grammar_compiler().compile(
+                params.structured_outputs), self.runner.mask_words)
+            if grammar is None:
+                raise InvalidRequestError("structured_outputs",
+                                          "the grammar allows no first token")
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed,
-                        max_new_tokens=max_new, stop_token_ids=frozenset(stops), prompt=prompt)
+                        max_new_tokens=max_new, stop_token_ids=frozenset(stops), prompt=prompt,
+                        grammar=grammar)
+
+    def grammar_compiler(self):
+        """The compiler of structured-output grammars for this model's tokenizer (built on
+        first use; grammars are compiled on the caller's thread, never the engine's, and
+        cached per spec)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured_outputs", "structured output needs a tokenizer; this "
+                        "model has none")
+                from jaxserve.structured_output import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -291,7 +319,7 @@ class Engine:
         if not plan.chunks:
             return None
         replica.scheduling = plan  # until it is in flight: whose requests fail if this raises
-        inp = build_step_input(plan, self.config)
+        inp = build_step_input(plan, self.config, replica.runner.mask_words)
         started = time.monotonic()
         pending = self._launch(replica.runner, plan, inp)
         single = not plan.decode_only or plan.num_decode_steps == 1
@@ -303,14 +331,20 @@ class Engine:
         """Read a dispatched step's results and book them; the requests' deltas go on
         `deltas` as they are made (a failure part-way keeps those already made)."""
         plan, rows = flight.plan, len(flight.plan.chunks)
-        pending = flight.pending
+        pending, prompt = flight.pending, None
+        if not plan.decode_only:
+            pending, prompt = pending  # SampleResult [S, ...], TargetLogprobs [T, ...]
+            if all(c.seq.params.prompt_logprobs is None for c in plan.chunks):
+                prompt = None  # not copied to the host
         if all(c.seq.params.logprobs is None for c in plan.chunks):
             pending = _without_logprobs(pending)
-        result = jax.device_get(pending)
+        result, prompt = jax.device_get((pending, prompt))
         if plan.decode_only:
             result, produced = result  # [S, K, ...], [S]
         else:
             result = jax.tree.map(lambda a: a[:, None], result)  # [S, 1, ...]
+        if prompt is not None:
+            self._book_prompt_logprobs(plan, flight.inp, prompt)
         if flight.placeholders is None:  # a decode loop
             produced = [int(n) for n in produced[:rows]]
             sampled = [result.tokens[i, :n].tolist() for i, n in enumerate(produced)]
@@ -327,6 +361,26 @@ class Engine:
             num_decode_steps=plan.num_decode_steps, kv_cache_usage=replica.allocator.usage,
             duration=time.monotonic() - flight.started))
 
+    def _book_prompt_logprobs(self, plan: SchedulerOutput, inp: StepInput,
+                              prompt: TargetLogprobs) -> None:
+        """Give each request that asked for prompt log-probabilities the entries its chunk
+        computed: the token at flat index j (position p) scored prompt token p + 1."""
+        for i, chunk in enumerate(plan.chunks):
+            seq = chunk.seq
+            top = seq.params.prompt_logprobs
+            processor = self._processors.get(seq.request_id)
+            if top is None or processor is None:
+                continue
+            start = int(inp.cu_q_lens[i])
+            first = int(inp.positions[start])
+            count = min(chunk.num_tokens, len(seq.prompt_token_ids) - 1 - first)
+            if count <= 0:
+                continue
+            span = slice(start, start + count)
+            entries = logprob_entries(inp.prompt_targets[span], prompt.logprob[span],
+                                      prompt.top_ids[span], prompt.top_logprobs[span], top)
+            processor.prompt_logprobs[first + 1:first + 1 + count] = entries
+
     def _output(self, replica: Replica, update: SequenceUpdate,
                 result: SampleResult) -> StreamDelta:
         """Text and stream delta of one sequence's new tokens (fields of `result` `[S, K,
@@ -338,8 +392,11 @@ class Engine:
             entries = logprob_entries(result.tokens[row, :count], result.logprob[row, :count],
                                       result.top_ids[row, :count],
                                       result.top_logprobs[row, :count], seq.params.logprobs)
+        new_tokens = update.new_token_ids
+        if seq.params.max_tokens == 0:  # prompt log-probabilities only: the token is unseen
+            new_tokens, entries = [], None if entries is None else []
         delta, keep = self._processors[seq.request_id].process(
-            update.new_token_ids, update.finish_reason, entries)
+            new_tokens, update.finish_reason, entries)
         if keep is not None:
             replica.scheduler.stop_early(update, keep)
         if delta.finished:
@@ -401,7 +458,9 @@ class Engine:
     def pop_output(self, seq: Sequence) -> RequestOutput:
         """The final output of a finished request; forgets its text state."""
         processor = self._processors.pop(seq.request_id)
-        completion = CompletionOutput(0, processor.text, list(seq.output_token_ids),
-                                      seq.finish_reason, processor.logprobs)
+        tokens = [] if seq.params.max_tokens == 0 else list(seq.output_token_ids)
+        completion = CompletionOutput(0, processor.text, tokens, seq.finish_reason,
+                                      processor.logprobs)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
-                             [completion], finished=seq.status is Status.FINISHED)
+                             [completion], finished=seq.status is Status.FINISHED,
+                             prompt_logprobs=processor.prompt_logprobs)

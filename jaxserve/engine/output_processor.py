@@ -30,6 +30,8 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     new_logprobs: list[dict[int, float]] | None = None  # per new token, when requested
+    # The prompt's log-probabilities (`RequestOutput.prompt_logprobs`), on the first delta
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
@@ -43,7 +45,8 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
         logprobs = [entry for d in deltas for entry in d.new_logprobs or ()]
     return StreamDelta(last.request_id, [t for d in deltas for t in d.new_token_ids],
                        "".join(d.new_text for d in deltas), last.finished, last.finish_reason,
-                       logprobs)
+                       logprobs, next((d.prompt_logprobs for d in deltas
+                                       if d.prompt_logprobs is not None), None))
 
 
 def logprob_entries(tokens: np.ndarray, logprob: np.ndarray, top_ids: np.ndarray,
@@ -72,6 +75,11 @@ class OutputProcessor:
         self.logprobs: list[dict[int, float]] | None = (
             [] if seq.params.logprobs is not None else None)
         self._logprobs_emitted = 0
+        # Per prompt token: its entry, filled by the engine as prefill chunks compute them.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(seq.prompt_token_ids)
+            if seq.params.prompt_logprobs is not None else None)
+        self._prompt_logprobs_emitted = False
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def process(self, new_tokens: list[int], finish_reason: str | None,
@@ -115,5 +123,8 @@ class OutputProcessor:
         if self.logprobs is not None:
             logprobs = self.logprobs[self._logprobs_emitted:]
             self._logprobs_emitted = len(self.logprobs)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_emitted:
+            prompt_logprobs, self._prompt_logprobs_emitted = self.prompt_logprobs, True
         return StreamDelta(self.request_id, new_tokens, text, finished, finish_reason,
-                           logprobs)
+                           logprobs, prompt_logprobs)

@@ -39,8 +39,10 @@ class InFlight:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether the next step needs this one's tokens on the host (penalty counts)."""
-        return any(chunk.seq.params.has_penalties for chunk in self.plan.chunks)
+        """Whether the next step needs this one's tokens on the host (penalty counts, the
+        next grammar bitmask)."""
+        return any(chunk.seq.params.has_penalties or chunk.seq.grammar is not None
+                   for chunk in self.plan.chunks)
 
 
 @dataclasses.dataclass

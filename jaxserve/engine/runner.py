@@ -1,10 +1,12 @@
 """Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
 
 The programs (both take the weights' leaves, the donated KV cache, the step's `StepInput`
-packed into one int32 buffer by `packing`, the token history, and the previous step's
-sampled tokens):
+packed into one int32 buffer by `packing`, the token history, the grammar bitmasks, and the
+previous step's sampled tokens):
 - "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
-  decode tokens, K/V written into the cache, one token sampled per sequence.
+  decode tokens, K/V written into the cache, one token sampled per sequence, and the
+  log-probabilities of the prompt tokens that follow each position, for the requests that
+  asked (`StepInput.prompt_targets`; skipped at run time otherwise).
 - "decode" (S): every step whose chunks are all single decode tokens: up to
   `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled token back,
   with stop tokens and per-row limits checked on device, so several tokens can come back per
@@ -50,7 +52,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.program_cache import compile_shared
-from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
+from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
+                                     sample_with_logprobs, target_logprobs)
 from jaxserve.model import LlamaModel
 from jaxserve.sampling_params import MAX_LOGPROBS
 
@@ -96,7 +99,7 @@ class Runner:
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
         rep = self.replicated
-        self._programs = {"step": (self._step, (rep, caches_sh, rep)),
+        self._programs = {"step": (self._step, (rep, rep, caches_sh, rep)),
                           "decode": (self._decode, (rep, rep, caches_sh, rep))}
         # [max rows] each row's newest sampled token, on device: the next step's PENDING
         # tokens are read from here (`StepInput.token_source`) before the host has them.
@@ -107,6 +110,8 @@ class Runner:
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._layouts: dict[tuple, Layout] = {}
         self._no_history: dict[int, jax.Array] = {}  # rows → [rows, max_model_len] of -1
+        self.mask_words = -(-model.config.vocab_size // 32)  # int32 words of a token bitmask
+        self._all_allowed: dict[int, jax.Array] = {}  # rows → [rows, mask_words] of -1
         self.warmed_up = False
         self.compiles_after_warmup = 0
 
@@ -120,15 +125,16 @@ class Runner:
         """`[S]` tokens as the `[max rows]` `last_tokens` of the next step."""
         return jnp.zeros((self.max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
-    def _unpacked(self, layout: Layout, state_leaves, packed, history):
+    def _unpacked(self, layout: Layout, state_leaves, packed, history, allowed):
         """The model and the program's inputs (a tuple: the `StepInput`, then any scalars)
         from the flat arguments every program takes."""
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state_leaves))
         inp, *rest = unpack(packed, layout)
-        return model, dataclasses.replace(inp, history=history), *rest
+        return model, dataclasses.replace(inp, history=history, allowed=allowed), *rest
 
-    def _step(self, layout: Layout, state_leaves, caches, packed, history, last_tokens):
-        model, inp = self._unpacked(layout, state_leaves, packed, history)
+    def _step(self, layout: Layout, state_leaves, caches, packed, history, allowed,
+              last_tokens):
+        model, inp = self._unpacked(layout, state_leaves, packed, history, allowed)
         attention = self.attention.for_step(PagedBatch(
             inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs))
         hidden, caches = model(self._token_ids(inp, last_tokens), inp.positions, caches,
@@ -136,11 +142,15 @@ class Runner:
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
                                           inp.sampling)
-        result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts)
-        return result, caches, self._padded(result.tokens)
+        result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts, inp.allowed)
+        prompt = target_logprobs(hidden, inp.prompt_targets, model.logits)  # [T] per field
+        return result, prompt, caches, self._padded(result.tokens)
 
-    def _decode(self, layout: Layout, state_leaves, caches, packed, history, last_tokens):
-        model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history)
+    def _decode(self, layout: Layout, state_leaves, caches, packed, history, allowed,
+                last_tokens):
+        """The decode loop. Rows under a grammar run one step (the scheduler sees to it: the
+        next bitmask needs the token just sampled), so `allowed` holds for every step run."""
+        model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history, allowed)
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
         row = jnp.arange(rows)
@@ -170,7 +180,7 @@ class Runner:
                 inp.num_seqs, decode_only=True))
             hidden, caches = model(current, position, caches, attention)  # [S, E]
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
-                                          counts)
+                                          counts, inp.allowed)
             new = result.tokens  # [S]
             out = jax.tree.map(lambda buf, value: buf.at[:, step].set(value), out, result)
             counts = counts.add(new, ~done)
@@ -190,6 +200,7 @@ class Runner:
         sh = self.replicated
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)  # noqa: E731
+        flag = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh)  # noqa: E731
         return StepInput(
             token_ids=i32(tokens), token_source=i32(tokens), positions=i32(tokens),
             slot_mapping=i32(tokens),
@@ -201,17 +212,18 @@ class Runner:
                                                               sharding=sh),
                                     presence=f32(rows), frequency=f32(rows),
                                     repetition=f32(rows),
-                                    wants_logprobs=jax.ShapeDtypeStruct((rows,), jnp.bool_,
-                                                                        sharding=sh)),
+                                    wants_logprobs=flag(rows), constrained=flag(rows)),
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
-            history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows))
+            history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows),
+            prompt_targets=i32(tokens), allowed=i32(rows, self.mask_words))
 
     def _layout(self, kind: str, tokens: int, rows: int) -> Layout:
-        """How a bucket's inputs are packed: the `StepInput` without its history, and for
-        "decode" the number of steps."""
+        """How a bucket's inputs are packed: the `StepInput` without its history and
+        bitmasks, and for "decode" the number of steps."""
         key = (kind, tokens, rows)
         if key not in self._layouts:
-            inputs = dataclasses.replace(self._input_shapes(tokens, rows), history=None)
+            inputs = dataclasses.replace(self._input_shapes(tokens, rows), history=None,
+                                         allowed=None)
             scalars = () if kind == "step" else (jax.ShapeDtypeStruct((), jnp.int32),)
             self._layouts[key] = Layout.of((inputs, *scalars))
         return self._layouts[key]
@@ -219,16 +231,15 @@ class Runner:
     def program_inputs(self, kind: str, tokens: int, rows: int) -> tuple[jax.stages.Wrapped,
                                                                            list]:
         """The jitted function of a program and its abstract arguments (what `lower` takes):
-        the weights' leaves, the KV cache (donated), the packed inputs, the token history
-        and the previous step's sampled tokens."""
+        the weights' leaves, the KV cache (donated), the packed inputs, the token history,
+        the grammar bitmasks and the previous step's sampled tokens."""
         layout = self._layout(kind, tokens, rows)
         function, out_shardings = self._programs[kind]
         jitted = jax.jit(functools.partial(function, layout), donate_argnums=(1,),
                          out_shardings=out_shardings)
-        history = jax.ShapeDtypeStruct((rows, self.config.max_model_len), jnp.int32,
-                                       sharding=self.replicated)
-        return jitted, [self._state_leaves, self.caches,
-                        packed_shape(layout, self.replicated), history, self.last_tokens]
+        shapes = self._input_shapes(tokens, rows)
+        return jitted, [self._state_leaves, self.caches, packed_shape(layout, self.replicated),
+                        shapes.history, shapes.allowed, self.last_tokens]
 
     def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         """The compiled program of a bucket, compiling it if warm-up did not (counted; with
@@ -309,20 +320,31 @@ class Runner:
             self._no_history[rows] = self._place(inp.history)
         return self._no_history[rows]
 
+    def _allowed(self, inp: StepInput) -> jax.Array:
+        """The grammar bitmasks on device: copied for a step with constrained rows, else the
+        all-allowed array of its row count (kept on device)."""
+        if inp.is_constrained:
+            return self._place(inp.allowed)
+        rows = inp.kv_lens.shape[0]
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = self._place(inp.allowed)
+        return self._all_allowed[rows]
+
     def _launch(self, kind: str, inp: StepInput, *scalars):
         tokens, rows = inp.token_ids.shape[0], inp.kv_lens.shape[0]
         program = self.program(kind, tokens, rows)
-        packed = pack((dataclasses.replace(inp, history=None), *scalars),
+        packed = pack((dataclasses.replace(inp, history=None, allowed=None), *scalars),
                       self._layout(kind, tokens, rows))
         *outputs, self.caches, self.last_tokens = program(
             self._state_leaves, self.caches, self._step_buffer(packed), self._history(inp),
-            self.last_tokens)
+            self._allowed(inp), self.last_tokens)
         return outputs
 
-    def launch_step(self, inp: StepInput) -> SampleResult:
-        """Dispatch one forward; returns device arrays (fields `[S, ...]`)."""
-        (result,) = self._launch("step", inp)
-        return result
+    def launch_step(self, inp: StepInput) -> tuple[SampleResult, TargetLogprobs]:
+        """Dispatch one forward; returns device arrays: the samples (fields `[S, ...]`) and
+        the prompt log-probabilities (fields `[T, ...]`)."""
+        result, prompt = self._launch("step", inp)
+        return result, prompt
 
     def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
         """Dispatch up to `num_steps` decode steps; returns device arrays: samples (fields
@@ -330,8 +352,9 @@ class Runner:
         out, count = self._launch("decode", inp, np.int32(num_steps))
         return out, count
 
-    def step(self, inp: StepInput) -> SampleResult:
-        """One forward; returns what every row sampled (numpy, fields `[S, ...]`)."""
+    def step(self, inp: StepInput) -> tuple[SampleResult, TargetLogprobs]:
+        """One forward; returns what every row sampled (numpy, fields `[S, ...]`) and the
+        prompt log-probabilities (fields `[T, ...]`)."""
         return jax.device_get(self.launch_step(inp))
 
     def decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, np.ndarray]:

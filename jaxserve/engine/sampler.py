@@ -5,6 +5,15 @@ greedy and sampled requests with different temperatures, top-k, top-p, min-p, pe
 seeds runs one compiled program. Randomness is keyed by (request seed, position of the sampled
 token), so a seeded request gives the same tokens however it is batched.
 
+Structured output constrains rows through `allowed`, a `[B, ceil(V / 32)]` int32 bitmask per
+row (bit j of word i: token 32 i + j may come next; all ones for a free row), computed on the
+host by the request's grammar and applied to the logits here, after penalties and before
+sampling, so a batch that mixes constrained and free rows runs the same program. The
+reported log-probabilities stay those of the model's raw distribution (as vLLM's default).
+
+Prompt log-probabilities (`target_logprobs`) score given next tokens at every position of the
+step's flat batch, in tiles of tokens so the `[T, V]` logits never exist at once.
+
 Penalties need each row's token counts over the vocabulary (`TokenCounts`); they are built
 from the row's token history only when some row has a penalty, and the decode loop updates
 them with every token it samples.
@@ -89,16 +98,33 @@ class SampleResult:
     top_logprobs: jax.Array  # [B, MAX_LOGPROBS] float32
 
 
+def allowed_tokens(allowed: jax.Array, vocab: int) -> jax.Array:
+    """The `[B, W]` int32 bitmask as `[B, vocab]` bool."""
+    bits = jnp.arange(32, dtype=jnp.int32)  # [32]
+    unpacked = jnp.right_shift(allowed[:, :, None], bits) & 1  # [B, W, 32]
+    return unpacked.reshape(allowed.shape[0], -1)[:, :vocab] != 0
+
+
+def apply_grammar(logits: jax.Array, arrays: SamplingArrays, allowed: jax.Array) -> jax.Array:
+    """`[B, V]` logits with the tokens each row's grammar forbids at -inf; skipped at run
+    time when no row is constrained. The host never sends a row with no allowed token (it
+    ends that request first), so no row becomes all -inf."""
+    def constrain():
+        return jnp.where(allowed_tokens(allowed, logits.shape[-1]), logits, -jnp.inf)
+    return jax.lax.cond(jnp.any(arrays.constrained), constrain, lambda: logits)
+
+
 def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: jax.Array,
-                         counts: TokenCounts) -> SampleResult:
-    """Penalties, then `sample`; log-probabilities come from the unpenalized logits.
+                         counts: TokenCounts, allowed: jax.Array) -> SampleResult:
+    """Penalties and the grammar masks (`allowed` `[B, W]`), then `sample`; log-probabilities
+    come from the unpenalized, unmasked logits.
 
     Penalties and log-probabilities each pass over the whole `[B, V]` logits, so each runs
     only when some row of the batch asked for it (a `lax.cond`); otherwise its fields are
     zeros."""
     penalized = jax.lax.cond(any_penalty(arrays),
                              lambda: apply_penalties(logits, arrays, counts), lambda: logits)
-    tokens = sample(penalized, arrays, positions)
+    tokens = sample(apply_grammar(penalized, arrays, allowed), arrays, positions)
 
     def log_probabilities():
         logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
@@ -114,6 +140,52 @@ def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: j
     chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(arrays.wants_logprobs),
                                                  log_probabilities, none)
     return SampleResult(tokens, chosen, top_ids, top_logprobs)
+
+
+TARGET_TILE = 128  # tokens whose logits `target_logprobs` holds at once
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TargetLogprobs:
+    """Log-probability of a given next token at each position, with the most likely ones."""
+
+    logprob: jax.Array  # [T] float32
+    top_ids: jax.Array  # [T, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
+
+
+def target_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn) -> TargetLogprobs:
+    """Score `targets [T]` (the token that follows each position; -1: none wanted) under the
+    model's distribution at `hidden [T, E]`, `logits_fn` mapping `[N, E]` to `[N, V]` float32
+    logits. Runs in tiles of `TARGET_TILE` tokens, and not at all (zeros) when no target is
+    wanted, so steps without prompt log-probabilities pay one reduction over `[T]`."""
+    tokens = hidden.shape[0]
+    tiles = -(-tokens // TARGET_TILE)
+    pad = tiles * TARGET_TILE - tokens
+
+    def score():
+        padded = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(tiles, TARGET_TILE, -1)
+        wanted = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(tiles, TARGET_TILE)
+
+        def tile(args):
+            h, t = args  # [TILE, E], [TILE]
+            logprobs = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [TILE, V]
+            top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+            chosen = jnp.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0]
+            return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+        chosen, top_ids, top_logprobs = jax.lax.map(tile, (padded, wanted))
+        return TargetLogprobs(chosen.reshape(-1)[:tokens],
+                              top_ids.reshape(-1, MAX_LOGPROBS)[:tokens],
+                              top_logprobs.reshape(-1, MAX_LOGPROBS)[:tokens])
+
+    def none():
+        return TargetLogprobs(jnp.zeros((tokens,), jnp.float32),
+                              jnp.zeros((tokens, MAX_LOGPROBS), jnp.int32),
+                              jnp.zeros((tokens, MAX_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), score, none)
 
 
 def greedy(logits: jax.Array) -> jax.Array:

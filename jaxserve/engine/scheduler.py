@@ -67,9 +67,13 @@ class SequenceUpdate:
 
 def _stop_reason(seq: Sequence, token: int, num_outputs: int) -> str | None:
     """Why `token`, the sequence's `num_outputs`-th output, ends it: a stop token (eos
-    included), or its length limit; None if it does not."""
+    included), its grammar (complete, or at a dead end), or its length limit; None if it
+    does not. The grammar, if any, books the token here."""
     if token in seq.stop_token_ids:
         return "stop"
+    reason = seq.grammar.advance(token) if seq.grammar is not None else None
+    if reason is not None:
+        return reason
     if num_outputs >= seq.max_new_tokens:
         return "length"
     return None
@@ -262,7 +266,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
+            # A request that wants its prompt's log-probabilities computes every prompt token
+            # (a cached page has K/V, not the logits); it still keys its pages for others.
+            if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
                 seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids)
                 seq.num_computed_tokens = len(seq.pages) * self.config.page_size
                 if not seq.output_token_ids:
@@ -281,9 +287,11 @@ class Scheduler:
     def _decode_steps(self, out: SchedulerOutput) -> int:
         """As many decode steps as configured if pages for all of them, for every sequence,
         can be reserved (all or none, so a fallback to one step holds no extra pages); one
-        if a request streams (its tokens would otherwise arrive in bursts)."""
+        if a request streams (its tokens would otherwise arrive in bursts) or samples under
+        a grammar (its next bitmask needs the token just sampled)."""
         steps = self.config.num_decode_steps
-        if steps == 1 or any(c.seq.params.output_kind == "delta" for c in out.chunks):
+        if steps == 1 or any(c.seq.params.output_kind == "delta" or c.seq.grammar is not None
+                             for c in out.chunks):
             return 1
         wanted = [min(c.seq.num_computed_tokens + steps, self.config.max_model_len)
                   for c in out.chunks]

@@ -6,6 +6,10 @@ preempted sequence keeps its tokens but loses its pages and recomputes them all,
 included, as one longer prompt. While a step is on device, each token it will sample is a
 `PENDING` placeholder at the end of the outputs, so the next step can be scheduled (and fed
 that token on device) before this one's results are read.
+
+A request with structured output carries a `GrammarState`: its grammar's matcher and the
+bitmask of the tokens allowed next, recomputed as each sampled token is booked, so the next
+step's mask is ready before that step is scheduled.
 """
 
 from __future__ import annotations
@@ -13,10 +17,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
+
+import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
 
 PENDING = -1  # an output token sampled by a step still on device (`Scheduler.advance`)
+# Finish reason of a request whose grammar rejected its token or allows no token after it.
+GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 class Status(enum.Enum):
@@ -54,6 +63,30 @@ class RequestTimes:
 
 
 @dataclasses.dataclass
+class GrammarState:
+    """A request's grammar (a `jaxserve.structured_output.GrammarMatcher`) and the tokens it
+    allows next."""
+
+    matcher: Any
+    mask: np.ndarray  # [ceil(V / 32)] int32 bitmask, bit j of word i: token 32 i + j
+
+    @classmethod
+    def start(cls, matcher: Any, mask_words: int) -> "GrammarState | None":
+        """The grammar at its start; None if it allows no first token."""
+        mask = np.zeros(mask_words, np.int32)
+        return cls(matcher, mask) if matcher.fill_bitmask(mask) else None
+
+    def advance(self, token: int) -> str | None:
+        """Book a sampled token: None to go on, "stop" when it completed the grammar,
+        `GRAMMAR_DEAD_END` when the grammar rejects it or allows no token after it."""
+        if not self.matcher.accept(token):
+            return GRAMMAR_DEAD_END
+        if self.matcher.is_finished:
+            return "stop"
+        return None if self.matcher.fill_bitmask(self.mask) else GRAMMAR_DEAD_END
+
+
+@dataclasses.dataclass
 class Sequence:
     """One request: its tokens, its pages, its progress and how it ended."""
 
@@ -64,6 +97,7 @@ class Sequence:
     max_new_tokens: int  # min(max_tokens, max_model_len - prompt length)
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
     prompt: str | None = None
+    grammar: GrammarState | None = None  # structured output: the tokens allowed next
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)

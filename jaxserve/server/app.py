@@ -130,6 +130,10 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         served = ready_engine()
         try:
+            structured = body.structured()
+            if structured is not None:  # compiled off the event loop; the job finds it cached
+                await asyncio.to_thread(served.engine.engine.grammar_compiler().compile,
+                                        structured)
             job = build(served, body)
         except ValueError as err:
             raise APIError(400, str(err), getattr(err, "field", None)) from None

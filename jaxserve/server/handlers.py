@@ -1,8 +1,15 @@
 """One API request turned into engine requests ("choices") and back into OpenAI bodies.
 
-A job submits `n` choices per prompt (`request_id` = job id + choice index), then either
-collects them into one JSON body or streams them as server-sent events. Cancelling the job
-(client gone) ends every choice's stream, which aborts it in the engine.
+A job submits `n` choices per prompt (`request_id` = job id + choice index, so the choices
+of a batch of prompts come back in order), then either collects them into one JSON body or
+streams them as server-sent events. Cancelling the job (client gone) ends every choice's
+stream, which aborts it in the engine.
+
+Log-probabilities over the prompt: `echo` with `logprobs` on completions (what
+lm-evaluation-harness's log-likelihood tasks send) returns the prompt's tokens and
+log-probabilities (the first `null`, as OpenAI and vLLM do) before the generated ones; vLLM's
+`prompt_logprobs` extra returns them in vLLM's shape under `choices[i].prompt_logprobs`.
+Both come from `SamplingParams.prompt_logprobs`, computed in the prefill.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 from typing import Any, AsyncIterator
 
 from jaxserve.engine.output_processor import StreamDelta
-from jaxserve.outputs import CompletionOutput
+from jaxserve.outputs import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, new_id,
                                       now)
@@ -25,8 +32,13 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 class Choice:
     index: int
     request_id: str
-    prompt_tokens: int
+    prompt_ids: list[int]
     logprobs: int | None
+    prompt_text: str | None = None  # shown before the output (completions' echo)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 class Job:
@@ -46,6 +58,7 @@ class Job:
         self.model = body.model or state.model_names[0]
         self.choices: list[Choice] = []
         try:
+            self.structured = body.structured()
             for prompt_index, (text, ids) in enumerate(self.prompts()):
                 max_tokens = self.max_tokens(len(ids))
                 for j in range(body.n):
@@ -71,6 +84,14 @@ class Job:
     def logprobs_count(self) -> int | None:
         raise NotImplementedError
 
+    def prompt_logprobs_count(self) -> int | None:
+        """How many top tokens to score at each prompt position (None: no prompt scoring)."""
+        return self.body.prompt_logprobs
+
+    def echo_text(self, text: str | None, ids: list[int]) -> str | None:
+        """The prompt text shown before a choice's output (None: no echo)."""
+        return None
+
     def max_tokens(self, prompt_len: int) -> int:
         """The choice's token limit; a prompt that leaves no room is an error, as in OpenAI."""
         room = self.max_model_len - prompt_len
@@ -88,17 +109,39 @@ class Job:
 
     def _submit(self, index: int, text, ids, max_tokens: int, j: int) -> None:
         logprobs = self.logprobs_count()
-        params = self.body.sampling_params(max_tokens, logprobs, j)
+        params = self.body.sampling_params(max_tokens, logprobs, j,
+                                           self.prompt_logprobs_count(), self.structured)
         request_id = f"{self.id}-{index}"
         self.engine.submit(request_id, ids, params, text)
-        self.choices.append(Choice(index, request_id, len(ids), logprobs))
+        self.choices.append(Choice(index, request_id, ids, logprobs, self.echo_text(text, ids)))
 
     # ---- bodies -------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
 
-    def choice_body(self, choice: Choice, output: CompletionOutput) -> dict:
+    def choice_body(self, choice: Choice, output: RequestOutput) -> dict:
         raise NotImplementedError
+
+    def with_prompt_logprobs(self, body: dict, choice: Choice, prompt_logprobs) -> dict:
+        """`body` with vLLM's `prompt_logprobs` field, when the request asked for it: per
+        prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        top = self.body.prompt_logprobs
+        if top is None or prompt_logprobs is None:
+            return body
+        listed = []
+        for token, entry in zip(choice.prompt_ids, prompt_logprobs):
+            if entry is None:
+                listed.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            kept = dict(ranked[:top])
+            kept[token] = entry[token]
+            ranks = {t: r + 1 for r, (t, _) in enumerate(ranked[:top])}
+            listed.append({str(t): {"logprob": v, "rank": ranks.get(t),
+                                    "decoded_token": self.token_text(t)}
+                           for t, v in kept.items()})
+        body["prompt_logprobs"] = listed
+        return body
 
     def delta_body(self, choice: Choice, delta: StreamDelta, first: bool) -> dict | None:
         raise NotImplementedError
@@ -113,13 +156,13 @@ class Job:
         async def finish(choice: Choice):
             async for _ in self.engine.stream(choice.request_id):
                 pass
-            return self.engine.result(choice.request_id).outputs[0]
+            return self.engine.result(choice.request_id)
 
         outputs = await asyncio.gather(*(finish(c) for c in self.choices))
         choices = [self.choice_body(c, out) for c, out in zip(self.choices, outputs)]
         return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices,
-                "usage": self.usage(sum(len(o.token_ids) for o in outputs))}
+                "usage": self.usage(sum(len(o.outputs[0].token_ids) for o in outputs))}
 
     async def _deltas(self, choice: Choice) -> AsyncIterator[tuple[Choice, Any]]:
         """One choice's deltas, then its failure if it failed (reported in the stream)."""
@@ -190,8 +233,6 @@ class CompletionJob(Job):
 
     def prompts(self):
         prompt = self.body.prompt
-        if self.body.echo:
-            raise InvalidRequestError("echo", "echo is not supported")
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -215,7 +256,10 @@ class CompletionJob(Job):
         return self.body.max_tokens
 
     def max_tokens(self, prompt_len: int) -> int:
-        """OpenAI's default of 16 new tokens, capped at the room the prompt leaves."""
+        """OpenAI's default of 16 new tokens, capped at the room the prompt leaves; 0 only
+        with echo (the prompt scored, nothing generated)."""
+        if self.body.max_tokens == 0 and not self.body.echo:
+            raise InvalidRequestError("max_tokens", "max_tokens 0 needs echo: true")
         if self.body.max_tokens is None:
             return min(DEFAULT_COMPLETION_TOKENS, super().max_tokens(prompt_len))
         return super().max_tokens(prompt_len)
@@ -223,26 +267,78 @@ class CompletionJob(Job):
     def logprobs_count(self):
         return self.body.logprobs
 
-    def _logprobs(self, token_ids: list[int], entries) -> dict | None:
-        if entries is None:
+    def prompt_logprobs_count(self):
+        """Echo with log-probabilities scores the prompt with the same top count; echo with
+        max_tokens 0 scores it too (the engine's prompt-only mode)."""
+        wanted = self.body.prompt_logprobs
+        if self.body.echo and (self.body.logprobs is not None or self.body.max_tokens == 0):
+            wanted = max(wanted or 0, self.body.logprobs or 0)
+        return wanted
+
+    def echo_text(self, text, ids):
+        if not self.body.echo:
             return None
-        return {"tokens": [self.token_text(t) for t in token_ids],
-                "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in entries],
-                "text_offset": []}
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
+        """OpenAI's completion logprobs: per token its text, log-probability (None for an
+        entry of None: the prompt's first token), the `logprobs` most likely, and where its
+        text starts in the choice's text (from `offset`)."""
+        top = self.body.logprobs or 0
+        texts = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        tops = []
+        for token, entry in zip(token_ids, entries):
+            if entry is None:
+                tops.append(None)
+                continue
+            ranked = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:top])
+            ranked.setdefault(token, entry[token])
+            tops.append({self.token_text(k): v for k, v in ranked.items()})
+        return {"tokens": texts,
+                "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _echoed_logprobs(self, choice: Choice, prompt_logprobs, token_ids, entries) -> dict:
+        """Log-probabilities of the prompt's tokens, then of the generated ones."""
+        return self._logprobs(choice.prompt_ids + list(token_ids),
+                              list(prompt_logprobs) + list(entries))
 
     def choice_body(self, choice, output):
-        return {"index": choice.index, "text": output.text,
-                "finish_reason": output.finish_reason,
-                "logprobs": self._logprobs(output.token_ids, output.logprobs)}
+        completion = output.outputs[0]
+        text, logprobs = completion.text, None
+        if choice.prompt_text is not None:
+            text = choice.prompt_text + text
+            if self.body.logprobs is not None:
+                logprobs = self._echoed_logprobs(choice, output.prompt_logprobs,
+                                                 completion.token_ids, completion.logprobs)
+        elif completion.logprobs is not None:
+            logprobs = self._logprobs(completion.token_ids, completion.logprobs)
+        body = {"index": choice.index, "text": text, "finish_reason": completion.finish_reason,
+                "logprobs": logprobs}
+        return self.with_prompt_logprobs(body, choice, output.prompt_logprobs)
 
     def delta_body(self, choice, delta, first):
-        if not delta.new_text and not delta.finished and delta.new_logprobs is None:
+        echo = first and choice.prompt_text is not None
+        if (not delta.new_text and not delta.finished and delta.new_logprobs is None
+                and not echo):
             return None
-        logprobs = (self._logprobs(delta.new_token_ids, delta.new_logprobs)
-                    if delta.new_logprobs is not None else None)
-        return {"index": choice.index, "text": delta.new_text, "logprobs": logprobs,
+        text, logprobs = delta.new_text, None
+        if echo:
+            text = choice.prompt_text + text
+            if self.body.logprobs is not None:
+                logprobs = self._echoed_logprobs(choice, delta.prompt_logprobs,
+                                                 delta.new_token_ids, delta.new_logprobs or [])
+        elif delta.new_logprobs is not None:
+            logprobs = self._logprobs(delta.new_token_ids, delta.new_logprobs)
+        body = {"index": choice.index, "text": text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
+        return self.with_prompt_logprobs(body, choice, delta.prompt_logprobs)
 
 
 class ChatJob(Job):
@@ -289,10 +385,12 @@ class ChatJob(Job):
         return {"content": content}
 
     def choice_body(self, choice, output):
-        return {"index": choice.index,
-                "message": {"role": "assistant", "content": output.text},
-                "logprobs": self._logprobs(output.token_ids, output.logprobs),
-                "finish_reason": output.finish_reason}
+        completion = output.outputs[0]
+        body = {"index": choice.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
+                "finish_reason": completion.finish_reason}
+        return self.with_prompt_logprobs(body, choice, output.prompt_logprobs)
 
     def delta_body(self, choice, delta, first):
         message = {"role": "assistant", "content": delta.new_text} if first else (
@@ -301,5 +399,6 @@ class ChatJob(Job):
             return None
         logprobs = (self._logprobs(delta.new_token_ids, delta.new_logprobs)
                     if delta.new_logprobs is not None else None)
-        return {"index": choice.index, "delta": message, "logprobs": logprobs,
+        body = {"index": choice.index, "delta": message, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
+        return self.with_prompt_logprobs(body, choice, delta.prompt_logprobs)

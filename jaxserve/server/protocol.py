@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Fields follow OpenAI's `/v1/completions` and `/v1/chat/completions`, plus vLLM's sampling
-extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Unknown
+Fields follow OpenAI's `/v1/completions` and `/v1/chat/completions` (`response_format` and
+`echo` included), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `prompt_logprobs`, `structured_outputs` and the older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`). Unknown
 fields are ignored, as OpenAI clients send ones this server has no use for. Range checks live
 in `SamplingParams`, so the API and Python share one set of rules; what is checked here is what
 JSON can carry and Python cannot serve (lone surrogates, NaN, ints past the device's int32).
@@ -11,11 +13,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import StructuredOutputsParams
 
 
 def valid_unicode(value):
@@ -52,7 +55,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = Field(default=1, ge=1, le=16)
@@ -67,11 +70,26 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        index: int) -> SamplingParams:
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, from whichever field names it."""
+        return StructuredOutputsParams.from_request(
+            response_format=self.response_format, structured_outputs=self.structured_outputs,
+            guided_json=self.guided_json, guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Parameters of choice `index` (choices of a seeded request get seeds seed+index)."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -81,6 +99,7 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured,
             output_kind="delta" if self.stream else "final_only")
 
 

@@ -16,6 +16,7 @@ from jaxserve.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(max_model_len=64, page_size=16, num_pages=40, max_num_seqs=4,
                       max_num_batched_tokens=32, token_buckets=(16, 32), seq_buckets=(2, 4))
+WORDS = 2  # int32 words of a token bitmask (a vocabulary of up to 64)
 ENGINE = Path(__file__).resolve().parents[2] / "jaxserve" / "engine"
 
 
@@ -45,7 +46,7 @@ def mixed_step():
 
 
 def test_mixed_step_every_field():
-    step = build_step_input(mixed_step(), CONFIG)
+    step = build_step_input(mixed_step(), CONFIG, WORDS)
     # 14 tokens -> token bucket 16; 3 rows -> sequence bucket 4.
     expected_tokens = [7] + list(range(216, 224)) + list(range(300, 305)) + [0, 0]
     np.testing.assert_array_equal(step.token_ids, expected_tokens)
@@ -99,7 +100,7 @@ def test_decode_loop_step_has_one_token_per_row():
     c = make_seq("c", [13] * 30, output=[23, 24, 25], computed=32, pages=[1, 2, 3], max_new=9)
     out = SchedulerOutput([ScheduledChunk(s, 1) for s in (a, b, c)], decode_only=True,
                           num_decode_steps=4)
-    step = build_step_input(out, CONFIG)
+    step = build_step_input(out, CONFIG, WORDS)
     # tokens == rows == 4 (sequence bucket), not the token bucket 16.
     np.testing.assert_array_equal(step.token_ids, [21, 22, 25, 0])
     np.testing.assert_array_equal(step.positions, [5, 17, 32, 0])
@@ -119,7 +120,7 @@ def test_step_exactly_filling_the_buckets_is_not_padded():
     a = make_seq("a", range(1, 11), pages=[1])
     b = make_seq("b", range(20, 26), pages=[2])
     step = build_step_input(SchedulerOutput([ScheduledChunk(a, 10), ScheduledChunk(b, 6)]),
-                            CONFIG)
+                            CONFIG, WORDS)
     assert step.token_ids.shape == (16,) and step.kv_lens.shape == (2,)
     assert (step.slot_mapping >= 0).all()
     np.testing.assert_array_equal(step.slot_mapping, list(range(16, 26)) + list(range(32, 38)))
@@ -129,7 +130,7 @@ def test_step_exactly_filling_the_buckets_is_not_padded():
 
 def test_one_token_more_moves_to_the_next_bucket():
     a = make_seq("a", range(1, 18), pages=[1, 2])
-    step = build_step_input(SchedulerOutput([ScheduledChunk(a, 17)]), CONFIG)
+    step = build_step_input(SchedulerOutput([ScheduledChunk(a, 17)]), CONFIG, WORDS)
     assert step.token_ids.shape == (32,) and step.kv_lens.shape == (2,)
     np.testing.assert_array_equal(step.slot_mapping[:17], list(range(16, 33)))
     assert (step.slot_mapping[17:] == -1).all() and (step.token_ids[17:] == 0).all()
@@ -142,18 +143,56 @@ def test_token_bucket_never_smaller_than_the_rows():
                           max_num_batched_tokens=32, token_buckets=(2, 32), seq_buckets=(4,))
     seqs = [make_seq(n, [1, 2], output=[3], computed=2, pages=[i + 1])
             for i, n in enumerate("ab")]
-    step = build_step_input(SchedulerOutput([ScheduledChunk(s, 1) for s in seqs]), config)
+    step = build_step_input(SchedulerOutput([ScheduledChunk(s, 1) for s in seqs]), config,
+                            WORDS)
     # 2 tokens would fit the rung 2, but 4 rows need at least 4 tokens: the rung 32.
     assert step.token_ids.shape == (32,) and step.kv_lens.shape == (4,)
+
+
+def test_prompt_targets_are_the_next_prompt_tokens_of_rows_that_ask():
+    # a: prompt 100..109 wants prompt log-probabilities; this chunk is positions 4..9, so
+    # positions 4..8 score tokens 105..109 and position 9 (the last) scores nothing.
+    a = make_seq("a", range(100, 110), computed=4, pages=[1], prompt_logprobs=2)
+    b = make_seq("b", range(200, 205), pages=[2])  # does not ask
+    # c: a second chunk ending inside the prompt: positions 0..3 of 8 score 301..304.
+    c = make_seq("c", range(300, 308), pages=[3], prompt_logprobs=0)
+    step = build_step_input(SchedulerOutput([ScheduledChunk(a, 6), ScheduledChunk(b, 5),
+                                             ScheduledChunk(c, 4)]), CONFIG, WORDS)
+    expected = [105, 106, 107, 108, 109, -1] + [-1] * 5 + [301, 302, 303, 304] + [-1]
+    np.testing.assert_array_equal(step.prompt_targets, expected)
+
+
+class FixedGrammar:
+    """A grammar state that allows a fixed set of tokens (what the batcher copies)."""
+
+    def __init__(self, tokens):
+        self.mask = np.zeros(WORDS, np.int32)
+        for token in tokens:
+            self.mask.view(np.uint32)[token // 32] |= np.uint32(1 << (token % 32))
+
+
+def test_grammar_rows_carry_their_bitmask_and_free_rows_allow_everything():
+    a = make_seq("a", [1, 2], pages=[1], structured_outputs={"choice": ["x"]})
+    a.grammar = FixedGrammar([3, 33, 63])
+    b = make_seq("b", [1, 2], pages=[2])
+    step = build_step_input(SchedulerOutput([ScheduledChunk(a, 2), ScheduledChunk(b, 2)]),
+                            CONFIG, WORDS)
+    bits = np.unpackbits(step.allowed.view(np.uint8), bitorder="little").reshape(2, 64)
+    np.testing.assert_array_equal(np.flatnonzero(bits[0]), [3, 33, 63])
+    assert bits[1].all() and step.is_constrained
+    np.testing.assert_array_equal(step.sampling.constrained, [True, False])
+    free = build_step_input(SchedulerOutput([ScheduledChunk(b, 2)]), CONFIG, WORDS)
+    assert not free.is_constrained and (free.allowed == -1).all()
+    assert free.allowed.shape == (2, WORDS)
 
 
 def test_step_too_large_for_the_ladders_raises():
     five = [make_seq(str(i), [1], pages=[i + 1]) for i in range(5)]
     with pytest.raises(ValueError):
-        build_step_input(SchedulerOutput([ScheduledChunk(s, 1) for s in five]), CONFIG)
+        build_step_input(SchedulerOutput([ScheduledChunk(s, 1) for s in five]), CONFIG, WORDS)
     big = make_seq("big", range(1, 34), pages=[1, 2, 3])
     with pytest.raises(ValueError):
-        build_step_input(SchedulerOutput([ScheduledChunk(big, 33)]), CONFIG)
+        build_step_input(SchedulerOutput([ScheduledChunk(big, 33)]), CONFIG, WORDS)
 
 
 @pytest.mark.parametrize("size, rung", [(0, 16), (1, 16), (16, 16), (17, 32), (32, 32)])

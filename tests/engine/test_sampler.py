@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.batcher import SamplingArrays
-from jaxserve.engine.sampler import sample
+from jaxserve.engine.sampler import (TokenCounts, allowed_tokens, sample, sample_with_logprobs,
+                                     target_logprobs)
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.sampling_params import SamplingParams
 
 # Row logits whose softmax is [0.5, 0.25, 0.125, 0.0625, 0.0625].
@@ -98,3 +100,60 @@ def test_different_seeds_give_different_tokens():
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def _bitmask(rows_allowed: list[list[int]], words: int) -> np.ndarray:
+    """`[B, words]` int32 bitmask with the listed tokens set (bit j of word i: 32 i + j)."""
+    mask = np.zeros((len(rows_allowed), words), np.uint32)
+    for row, tokens in enumerate(rows_allowed):
+        for token in tokens:
+            mask[row, token // 32] |= np.uint32(1 << (token % 32))
+    return mask.view(np.int32)
+
+
+def test_grammar_masks_restrict_sampling_to_allowed_tokens():
+    vocab, words = 70, 3
+    rng = np.random.default_rng(0)
+    logits = jax.numpy.asarray(rng.normal(size=(3, vocab)).astype(np.float32))
+    allowed_sets = [[5, 40, 69], [0, 1, 2, 3], list(range(vocab))]
+    allowed = _bitmask(allowed_sets, words)
+    allowed[2] = -1  # a free row: all bits set
+    params = [SamplingParams(temperature=0.0, structured_outputs={"choice": ["a"]}),
+              SamplingParams(temperature=1.0, seed=3, structured_outputs={"choice": ["a"]}),
+              SamplingParams(temperature=0.0)]
+    arrays = SamplingArrays.from_params(params, [0, 3, 0], 3)
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(jax.numpy.asarray(allowed), vocab))
+                                  .nonzero()[1][:3], [5, 40, 69])
+    counts = TokenCounts(jax.numpy.zeros((3, vocab), jax.numpy.int32),
+                         jax.numpy.zeros((3, vocab), bool))
+    for position in range(20):
+        result = sample_with_logprobs(logits, arrays, jax.numpy.full((3,), position), counts,
+                                      jax.numpy.asarray(allowed))
+        tokens = np.asarray(result.tokens)
+        raw = np.asarray(logits)
+        assert tokens[0] == max(allowed_sets[0], key=lambda t: raw[0, t])
+        assert tokens[1] in allowed_sets[1]
+        assert tokens[2] == raw[2].argmax()
+
+
+def test_target_logprobs_equal_numpy_log_softmax_over_tiles():
+    tokens, embed, vocab = 300, 8, 50  # three tiles of TARGET_TILE, the last one partial
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=(tokens, embed)).astype(np.float32)
+    weights = rng.normal(size=(embed, vocab)).astype(np.float32)
+    targets = rng.integers(0, vocab, size=tokens).astype(np.int32)
+    targets[::7] = -1  # positions that score nothing
+    out = target_logprobs(jax.numpy.asarray(hidden), jax.numpy.asarray(targets),
+                          lambda h: h @ weights)
+    logits = (hidden @ weights).astype(np.float64)
+    reference = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    scored = targets >= 0
+    np.testing.assert_allclose(np.asarray(out.logprob)[scored],
+                               reference[scored, targets[scored]], atol=1e-4)
+    top = np.argsort(-reference, axis=-1)[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(out.top_ids), top)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs),
+                               np.take_along_axis(reference, top, -1), atol=1e-4)
+    none = target_logprobs(jax.numpy.asarray(hidden), jax.numpy.full((tokens,), -1),
+                           lambda h: h @ weights)
+    assert not np.asarray(none.logprob).any()
