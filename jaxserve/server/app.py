@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (503 until the
+server-sent events ending in `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /tokenizer_info` (vLLM's), `GET /health` (503 until the
 model is loaded and warmed up; 500 once it cannot serve, while the process exits), `GET
 /metrics` (Prometheus). Errors use OpenAI's JSON shape and name the bad field. The model
 loads on a background thread after the socket is open, so orchestrators see the process
@@ -20,10 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve.errors import InvalidRequestError
 from jaxserve.server import handlers
 from jaxserve.server.async_engine import EngineDeadError, QueueFullError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.state import ServerState
+from jaxserve.server.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("jaxserve.server")
 
@@ -132,8 +135,12 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             structured = body.structured()
             if structured is not None:  # compiled off the event loop; the job finds it cached
-                await asyncio.to_thread(served.engine.engine.grammar_compiler().compile,
-                                        structured)
+                try:
+                    await asyncio.to_thread(served.engine.engine.grammar_compiler().compile,
+                                            structured)
+                except InvalidRequestError as err:
+                    err.field = body.structured_field()  # the name the client sent
+                    raise
             job = build(served, body)
         except ValueError as err:
             raise APIError(400, str(err), getattr(err, "field", None)) from None
@@ -148,6 +155,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await run(request, body, handlers.ChatJob)
+
+    add_tokenizer_routes(app, state, v1)
 
     return app
 

@@ -87,6 +87,12 @@ class SamplingFields(BaseModel):
             guided_json=self.guided_json, guided_regex=self.guided_regex,
             guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
 
+    def structured_field(self) -> str:
+        """The field that carried the output constraint (what an error about it names)."""
+        names = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar")
+        return next((n for n in names if getattr(self, n) is not None), "structured_outputs")
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
