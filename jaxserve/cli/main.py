@@ -4,6 +4,7 @@
     jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
     jaxserve bench offline [--model PATH]
+    jaxserve bench structured [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
     jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
 
@@ -189,6 +190,12 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_structured(args: argparse.Namespace) -> int:
+    from jaxserve.bench.structured_bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference runtime in JAX/XLA for TPUs and GPUs.")
@@ -248,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import offline_bench, serve_bench
+    from jaxserve.bench import offline_bench, serve_bench, structured_bench
 
     bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
     serve_bench.add_arguments(bench_serve)
@@ -257,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
         "offline", help="generation throughput vs transformers, decode roofline")
     offline_bench.add_arguments(bench_offline)
     bench_offline.set_defaults(handler=_bench_offline)
+    bench_structured = bench_kinds.add_parser(
+        "structured", help="structured output's cost: free vs constrained requests")
+    structured_bench.add_arguments(bench_structured)
+    bench_structured.set_defaults(handler=_bench_structured)
     return parser
 
 

@@ -57,6 +57,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def id_to_token(self, token: int) -> str | None:
+        """The vocabulary's string of one id ("Ġword" in byte-level BPE), None if unknown."""
+        return self._tok.id_to_token(token)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

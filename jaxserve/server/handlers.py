@@ -256,10 +256,8 @@ class CompletionJob(Job):
         return self.body.max_tokens
 
     def max_tokens(self, prompt_len: int) -> int:
-        """OpenAI's default of 16 new tokens, capped at the room the prompt leaves; 0 only
-        with echo (the prompt scored, nothing generated)."""
-        if self.body.max_tokens == 0 and not self.body.echo:
-            raise InvalidRequestError("max_tokens", "max_tokens 0 needs echo: true")
+        """OpenAI's default of 16 new tokens, capped at the room the prompt leaves; 0
+        generates nothing (with echo: the prompt and, if asked, its log-probabilities)."""
         if self.body.max_tokens is None:
             return min(DEFAULT_COMPLETION_TOKENS, super().max_tokens(prompt_len))
         return super().max_tokens(prompt_len)
@@ -268,10 +266,10 @@ class CompletionJob(Job):
         return self.body.logprobs
 
     def prompt_logprobs_count(self):
-        """Echo with log-probabilities scores the prompt with the same top count; echo with
-        max_tokens 0 scores it too (the engine's prompt-only mode)."""
+        """Echo with log-probabilities scores the prompt with the same top count; max_tokens
+        0 scores it too (the engine's prompt-only mode, which generates nothing)."""
         wanted = self.body.prompt_logprobs
-        if self.body.echo and (self.body.logprobs is not None or self.body.max_tokens == 0):
+        if (self.body.echo and self.body.logprobs is not None) or self.body.max_tokens == 0:
             wanted = max(wanted or 0, self.body.logprobs or 0)
         return wanted
 

@@ -53,6 +53,8 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
+    _valid_unicode = field_validator("*", mode="before")(valid_unicode)
+
 
 def _error(status: int, message: str, param: str | None = None,
            error_type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -90,10 +92,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, dependencies: list) -
         answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens),
                                   "max_model_len": state.max_model_len}
         if body.return_token_strs:
-            # vocabulary entries ("Ġword"), as vLLM's convert_ids_to_tokens gives; jaxserve's
-            # Tokenizer has no public method for them, so its `tokenizers` object is asked
-            vocabulary = state.llm.tokenizer._tok
-            answer["token_strs"] = [vocabulary.id_to_token(t) for t in tokens]
+            # vocabulary entries ("Ġword"), as vLLM's convert_ids_to_tokens gives
+            answer["token_strs"] = [state.llm.tokenizer.id_to_token(t) for t in tokens]
         return answer
 
     @app.post("/detokenize", dependencies=dependencies)
@@ -116,9 +116,11 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, dependencies: list) -
 
 def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     """Token ids of `body`'s prompt or chat messages (InvalidRequestError naming the field)."""
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequestError("prompt", "give exactly one of prompt (text) and messages "
-                                            "(a chat)")
+    if body.prompt is None and body.messages is None:
+        raise InvalidRequestError(None, "give prompt (text) or messages (a chat)")
+    if body.prompt is not None and body.messages is not None:
+        raise InvalidRequestError("messages", "messages cannot be given with prompt: give "
+                                              "one of them")
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return tokenizer.encode(body.prompt, add_special_tokens=add_special)

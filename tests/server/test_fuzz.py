@@ -45,6 +45,8 @@ BASES = {  # a valid, cheap body per endpoint; fuzzing changes it
     "/v1/completions": PLAIN,
     "/v1/chat/completions": {"model": NAME, "messages": [{"role": "user", "content": "ok"}],
                              "max_tokens": 2, "logprobs": True},  # top_logprobs is used
+    "/tokenize": {"model": NAME, "prompt": "ok"},
+    "/detokenize": {"model": NAME, "tokens": [5, 6]},
 }
 
 OPENAPI = create_app(ServerState(ServerOptions(model=NAME))).openapi()
@@ -221,6 +223,9 @@ def check(path: str, body, response: httpx.Response) -> dict:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", text[-500:]
         assert not any("error" in json.loads(e) for e in events[:-1]), text[:500]
+    elif path in ("/tokenize", "/detokenize"):
+        assert set(response.json()) >= {"/tokenize": {"tokens", "count"},
+                                        "/detokenize": {"prompt"}}[path], text[:500]
     else:
         assert response.json()["choices"], text[:500]
     return {}

@@ -102,7 +102,7 @@ BAD_INPUTS = [
     # (path, body, status, param)
     ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "top_p": "high"}, 400, "top_p"),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": list(range(2, 200))}, 400, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "prompt"),

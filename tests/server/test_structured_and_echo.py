@@ -170,7 +170,7 @@ def test_batched_token_prompts_come_back_in_order(client):
     ({"guided_regex": "("}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_bad_fields_are_named(server, body, param):

@@ -123,8 +123,8 @@ def test_lm_eval_remote_tokenizer_works_against_these_routes(server, hf_tokenize
 
 BAD_INPUTS = [
     # (path, body, status, param)
-    ("/tokenize", {}, 400, "prompt"),
-    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
+    ("/tokenize", {}, 400, None),  # neither prompt nor messages: no one field to blame
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "messages"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),  # a lone surrogate
     ("/tokenize", {"messages": []}, 400, "messages"),
