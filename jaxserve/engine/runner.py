@@ -310,25 +310,17 @@ class Runner:
         `device_put`), else replicated from every process's copy."""
         return packed if jax.process_count() == 1 else self._place(packed)
 
-    def _history(self, inp: StepInput) -> jax.Array:
-        """The token history on device: copied for a step with penalty rows, else the
-        all-padding array of its row count (kept on device)."""
-        if inp.has_penalties:
-            return self._place(inp.history)
-        rows = inp.kv_lens.shape[0]
-        if rows not in self._no_history:
-            self._no_history[rows] = self._place(inp.history)
-        return self._no_history[rows]
-
-    def _allowed(self, inp: StepInput) -> jax.Array:
-        """The grammar bitmasks on device: copied for a step with constrained rows, else the
-        all-allowed array of its row count (kept on device)."""
-        if inp.is_constrained:
-            return self._place(inp.allowed)
-        rows = inp.kv_lens.shape[0]
-        if rows not in self._all_allowed:
-            self._all_allowed[rows] = self._place(inp.allowed)
-        return self._all_allowed[rows]
+    def _seldom_used(self, array: np.ndarray, used: bool, kept: dict[int, jax.Array]
+                     ) -> jax.Array:
+        """An input most steps leave at its default (the token history without penalty rows,
+        the bitmasks without constrained rows): copied to the device when `used`, else the
+        default array of its row count, placed once and kept in `kept`."""
+        if used:
+            return self._place(array)
+        rows = array.shape[0]
+        if rows not in kept:
+            kept[rows] = self._place(array)
+        return kept[rows]
 
     def _launch(self, kind: str, inp: StepInput, *scalars):
         tokens, rows = inp.token_ids.shape[0], inp.kv_lens.shape[0]
@@ -336,8 +328,10 @@ class Runner:
         packed = pack((dataclasses.replace(inp, history=None, allowed=None), *scalars),
                       self._layout(kind, tokens, rows))
         *outputs, self.caches, self.last_tokens = program(
-            self._state_leaves, self.caches, self._step_buffer(packed), self._history(inp),
-            self._allowed(inp), self.last_tokens)
+            self._state_leaves, self.caches, self._step_buffer(packed),
+            self._seldom_used(inp.history, inp.has_penalties, self._no_history),
+            self._seldom_used(inp.allowed, inp.is_constrained, self._all_allowed),
+            self.last_tokens)
         return outputs
 
     def launch_step(self, inp: StepInput) -> tuple[SampleResult, TargetLogprobs]:

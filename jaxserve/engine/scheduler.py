@@ -26,7 +26,8 @@ import time
 
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
-from jaxserve.engine.sequence import PENDING, Sequence, Status
+from jaxserve.engine.sequence import (GRAMMAR_DEAD_END, PENDING, Sequence, Status,
+                                      refresh_masks)
 
 
 @dataclasses.dataclass
@@ -173,7 +174,19 @@ class Scheduler:
                 self._finish(seq, reason)
             if index is not None:
                 updates.append(SequenceUpdate(seq, row, [token], reason))
+        self._refresh_grammars(updates)
         return updates
+
+    def _refresh_grammars(self, updates: list[SequenceUpdate]) -> None:
+        """The next bitmasks of the constrained sequences that go on, computed together; a
+        grammar that allows no further token finishes its sequence (`GRAMMAR_DEAD_END`)."""
+        going_on = [u for u in updates if u.finish_reason is None and u.seq.grammar is not None]
+        if not going_on:
+            return
+        for update, allowed in zip(going_on, refresh_masks([u.seq.grammar for u in going_on])):
+            if not allowed:
+                update.finish_reason = GRAMMAR_DEAD_END
+                self._finish(update.seq, GRAMMAR_DEAD_END)
 
     @staticmethod
     def _live(plan: SchedulerOutput) -> list[Sequence | None]:
@@ -217,6 +230,7 @@ class Scheduler:
                 self._finish(seq, reason)
             if kept:
                 updates.append(SequenceUpdate(seq, row, kept, reason))
+        self._refresh_grammars(updates)
         return updates
 
     def stop_early(self, update: SequenceUpdate, keep: int) -> None:

@@ -8,8 +8,8 @@ included, as one longer prompt. While a step is on device, each token it will sa
 that token on device) before this one's results are read.
 
 A request with structured output carries a `GrammarState`: its grammar's matcher and the
-bitmask of the tokens allowed next, recomputed as each sampled token is booked, so the next
-step's mask is ready before that step is scheduled.
+bitmask of the tokens allowed next, recomputed (for all such requests of a step at once) as
+the step's tokens are booked, so the next step's mask is ready before it is scheduled.
 """
 
 from __future__ import annotations
@@ -77,13 +77,24 @@ class GrammarState:
         return cls(matcher, mask) if matcher.fill_bitmask(mask) else None
 
     def advance(self, token: int) -> str | None:
-        """Book a sampled token: None to go on, "stop" when it completed the grammar,
-        `GRAMMAR_DEAD_END` when the grammar rejects it or allows no token after it."""
+        """Book a sampled token: None to go on (then `refresh_masks` before the next step),
+        "stop" when it completed the grammar, `GRAMMAR_DEAD_END` when the grammar rejects
+        it."""
         if not self.matcher.accept(token):
             return GRAMMAR_DEAD_END
-        if self.matcher.is_finished:
-            return "stop"
-        return None if self.matcher.fill_bitmask(self.mask) else GRAMMAR_DEAD_END
+        return "stop" if self.matcher.is_finished else None
+
+
+def refresh_masks(states: list[GrammarState]) -> list[bool]:
+    """Recompute the masks of grammars that booked a token, all at once (llguidance fills
+    the rows on its thread pool, without the GIL); False where a grammar allows no token."""
+    from jaxserve.structured_output import fill_bitmasks
+
+    rows = np.empty((len(states), states[0].mask.shape[0]), np.int32)  # [N, W]
+    allowed = fill_bitmasks([state.matcher for state in states], rows)
+    for state, row in zip(states, rows):
+        state.mask[:] = row
+    return allowed
 
 
 @dataclasses.dataclass

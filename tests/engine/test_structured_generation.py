@@ -16,6 +16,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.sequence import GRAMMAR_DEAD_END
+from jaxserve.structured_output import GrammarMatcher
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -70,19 +71,20 @@ def test_mixed_batch_leaves_free_rows_alone_and_never_compiles(llm):
     assert llm.engine.stats().compiles_after_warmup == 0
 
 
-class DeadEndAfter:
-    """A grammar matcher that allows no token once `limit` tokens were accepted."""
+class DeadEndAfter(GrammarMatcher):
+    """A grammar matcher that allows no token once `limit` tokens were accepted (what the
+    engine sees of a grammar at a dead end: an empty bitmask)."""
 
-    def __init__(self, matcher, limit: int):
-        self.matcher, self.limit, self.accepted = matcher, limit, 0
-        self.is_finished = False
+    def __init__(self, matcher: GrammarMatcher, limit: int):
+        super().__init__(matcher._matcher)
+        self.limit, self.accepted = limit, 0
 
     def accept(self, token: int) -> bool:
         self.accepted += 1
-        return self.matcher.accept(token)
+        return super().accept(token)
 
-    def fill_bitmask(self, row) -> bool:
-        return self.matcher.fill_bitmask(row) and self.accepted < self.limit
+    def _ok(self, row) -> bool:
+        return super()._ok(row) and self.accepted < self.limit
 
 
 def test_grammar_dead_end_finishes_the_request_and_frees_its_pages(llm):

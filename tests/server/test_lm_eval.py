@@ -13,6 +13,7 @@ import json
 import math
 import socket
 import time
+from pathlib import Path
 
 import datasets
 import huggingface_hub
@@ -59,31 +60,29 @@ def task_files(folder) -> None:
     prompts.write_text("".join(json.dumps({"prompt": p, "target": ""}) + "\n"
                                for p in GENERATE_PROMPTS))
     cache = folder / "datasets_cache"
-    (folder / "jaxserve_mc.yaml").write_text(f"""\
-task: jaxserve_mc
+
+    def write_task(name: str, data: Path, body: str) -> None:
+        (folder / f"{name}.yaml").write_text(f"""\
+task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {json.dumps(str(data))}
   cache_dir: {json.dumps(str(cache))}
 test_split: test
+""" + body)
+
+    write_task("jaxserve_mc", data, """\
 output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
+doc_to_text: "{{question}}"
 doc_to_choice: choices
 doc_to_target: answer
 metric_list:
   - metric: acc
 """)
-    (folder / "jaxserve_gen.yaml").write_text(f"""\
-task: jaxserve_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(prompts))}
-  cache_dir: {json.dumps(str(cache))}
-test_split: test
+    write_task("jaxserve_gen", prompts, """\
 output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
+doc_to_text: "{{prompt}}"
 doc_to_target: target
 generation_kwargs:
   until: ["\\n"]

@@ -184,3 +184,15 @@ def test_nothing_compiled_after_warm_up(server, client):
     client.completions.create(model=NAME, prompt="Last", max_tokens=4,
                               extra_body={"guided_choice": ["yes", "no"]})
     assert server.state.engine.engine.stats().compiles_after_warmup == 0
+
+
+def test_streamed_echo_adds_up_to_the_whole(client):
+    kwargs = dict(model=NAME, prompt="She smiled", max_tokens=5, temperature=0, echo=True,
+                  logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(whole.logprobs.token_logprobs)
+    np.testing.assert_allclose(streamed[1:], whole.logprobs.token_logprobs[1:], atol=1e-5)
