@@ -182,7 +182,9 @@ def test_local_completions_scores_like_hf(offline, server, task_manager, hf_resu
         "num_concurrent=1", "max_retries=1"]), task_manager)
     expected, got = choice_scores(hf_results), choice_scores(served)
     worst = max(abs(h[0] - w[0]) for want, have in zip(expected, got) for w, h in zip(want, have))
-    print(f"largest log-likelihood difference: {worst:.1e}")
+    print(f"acc: local-completions {served['results']['jaxserve_mc']['acc,none']:.3f}, "
+          f"hf {hf_results['results']['jaxserve_mc']['acc,none']:.3f}; "
+          f"largest log-likelihood difference: {worst:.1e}")
     for doc, (want, have) in enumerate(zip(expected, got, strict=True)):
         for choice, ((want_ll, want_greedy), (have_ll, have_greedy)) in enumerate(
                 zip(want, have, strict=True)):
