@@ -19,6 +19,10 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    before reading this one's tokens; the device reads the placeholder tokens itself.
    `Scheduler.complete` (a decode loop: `postprocess`) fills in the tokens, checks stop
    tokens and length, keys full pages for the prefix cache and frees finished pages.
+   A request under a grammar (structured output) books each token with its
+   `sequence.GrammarState`, whose next bitmask the sampler applies on device; such a step
+   is read before the next one is dispatched, and never runs as a multi-step loop. Prompt
+   log-probabilities are scored by the step program beside the sampled tokens.
 6. `output_processor.OutputProcessor` detokenizes, finds stop strings (the engine then calls
    `Scheduler.stop_early`) and returns a `StreamDelta`; `metrics` records the step and every
    finished request, and `Engine.stats()` reports queue lengths and cache usage.
