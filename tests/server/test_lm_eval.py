@@ -43,9 +43,10 @@ ITEMS = [
     # the right choice is the model's greedy continuation: its is-greedy flag is true
     ("Once upon a time", ["which", "purple", "twelve", "motor"], 0),
     ("Mr. Darcy looked at Elizabeth and", ["again", "green", "quickly", "under"], 0),
-    ("Her mother was", ["not", "ship", "forty", "glass"], 0),
-    ("Mrs. Bennet was", ["in", "clock", "orange", "bridge"], 0),
-    ("The ball at Netherfield was to be", ["given", "eaten", "painted", "drowned"], 0),
+    # answers the model should get wrong, so the accuracies compared are not both 1
+    ("Her mother was", ["not", "ship", "forty", "glass"], 2),
+    ("Mrs. Bennet was", ["in", "clock", "orange", "bridge"], 3),
+    ("The ball at Netherfield was to be", ["given", "eaten", "painted", "drowned"], 3),
 ]
 GENERATE_PROMPTS = ["Once upon a time", "Mr. Darcy looked at Elizabeth and",
                     "The next morning, Emma", "Her mother was"]
@@ -166,7 +167,7 @@ def test_hf_reference_scores_the_tasks_offline(hf_results):
     assert len(scores) == len(ITEMS) and all(len(doc) == 4 for doc in scores)
     assert all(math.isfinite(ll) and ll < 0 for doc in scores for ll, _ in doc)
     assert any(greedy for doc in scores for _, greedy in doc)  # both flags get compared
-    assert hf_results["results"]["jaxserve_mc"]["acc,none"] > 0.25  # better than chance
+    assert 0.25 < hf_results["results"]["jaxserve_mc"]["acc,none"] < 1  # better than chance
     texts = generations(hf_results)
     assert len(texts) == len(GENERATE_PROMPTS) and any(t.strip() for t in texts)
 
