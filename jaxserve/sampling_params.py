@@ -7,9 +7,9 @@ Validated at construction: a bad value is an `InvalidRequestError` (a `ValueErro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top log-probabilities computed on device per token
 OUTPUT_KINDS = ("delta", "final_only")  # vLLM's RequestOutputKind.DELTA / FINAL_ONLY
@@ -55,7 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    structured_outputs: Any = None  # StructuredOutputsParams | dict | None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: str = "delta"
 
     def __post_init__(self):
@@ -103,7 +103,6 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "stop_token_ids", f"stop_token_ids must be non-negative token ids, got {token}")
         if self.structured_outputs is not None:
-            from jaxserve.structured_output import StructuredOutputsParams
             if isinstance(self.structured_outputs, dict):
                 try:
                     self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
