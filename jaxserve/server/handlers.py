@@ -278,7 +278,11 @@ class CompletionJob(Job):
             return None
         if text is not None:
             return text
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        # special tokens kept, as vLLM echoes token prompts, so `text_offset` (which counts
+        # every token's text) lines up with the echoed text
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
         """OpenAI's completion logprobs: per token its text, log-probability (None for an

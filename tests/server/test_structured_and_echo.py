@@ -123,8 +123,9 @@ def test_echo_returns_prompt_log_probabilities_like_transformers(client, hf_mode
             expected[p - 1].max(), abs=1e-4)
     generated = int(expected[-1].argmax())
     assert logprobs.token_logprobs[-1] == pytest.approx(expected[-1, generated], abs=1e-4)
-    prompt_text = out.choices[0].text[:-len(logprobs.tokens[-1]) or None]
-    assert out.choices[0].text.startswith(prompt_text)
+    assert out.choices[0].text == "".join(logprobs.tokens)  # the prompt's, then the new
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i]))
+                                    for i in range(len(logprobs.tokens))]
 
 
 def test_echo_max_tokens_zero_and_prompt_logprobs_extra(server, hf_model):
