@@ -114,6 +114,15 @@ def apply_grammar(logits: jax.Array, arrays: SamplingArrays, allowed: jax.Array)
     return jax.lax.cond(jnp.any(arrays.constrained), constrain, lambda: logits)
 
 
+def scored(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of `tokens [N]` under `logits [N, V]`, and the `MAX_LOGPROBS` most
+    likely tokens' (ids `[N, MAX_LOGPROBS]` int32, log-probabilities `[N, MAX_LOGPROBS]`)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [N]
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
 def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: jax.Array,
                          counts: TokenCounts, allowed: jax.Array) -> SampleResult:
     """Penalties and the grammar masks (`allowed` `[B, W]`), then `sample`; log-probabilities
@@ -127,10 +136,7 @@ def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: j
     tokens = sample(apply_grammar(penalized, arrays, allowed), arrays, positions)
 
     def log_probabilities():
-        logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        return chosen, top_ids.astype(jnp.int32), top_logprobs
+        return scored(logits, tokens)
 
     def none():
         rows = logits.shape[0]
@@ -168,14 +174,8 @@ def target_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn) -> TargetL
         padded = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(tiles, TARGET_TILE, -1)
         wanted = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(tiles, TARGET_TILE)
 
-        def tile(args):
-            h, t = args  # [TILE, E], [TILE]
-            logprobs = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [TILE, V]
-            top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-            chosen = jnp.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0]
-            return chosen, top_ids.astype(jnp.int32), top_logprobs
-
-        chosen, top_ids, top_logprobs = jax.lax.map(tile, (padded, wanted))
+        chosen, top_ids, top_logprobs = jax.lax.map(  # per tile [TILE, E], [TILE]
+            lambda args: scored(logits_fn(args[0]), args[1]), (padded, wanted))
         return TargetLogprobs(chosen.reshape(-1)[:tokens],
                               top_ids.reshape(-1, MAX_LOGPROBS)[:tokens],
                               top_logprobs.reshape(-1, MAX_LOGPROBS)[:tokens])

@@ -133,10 +133,10 @@ class Job:
             if entry is None:
                 listed.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-            kept = dict(ranked[:top])
+            ranked = most_likely(entry, top)
+            kept = dict(ranked)
             kept[token] = entry[token]
-            ranks = {t: r + 1 for r, (t, _) in enumerate(ranked[:top])}
+            ranks = {t: r + 1 for r, (t, _) in enumerate(ranked)}
             listed.append({str(t): {"logprob": v, "rank": ranks.get(t),
                                     "decoded_token": self.token_text(t)}
                            for t, v in kept.items()})
@@ -222,6 +222,11 @@ class Job:
         yield "data: [DONE]\n\n"
 
 
+def most_likely(entry: dict[int, float], top: int) -> list[tuple[int, float]]:
+    """The `top` most likely (token id, log-probability) pairs of a log-probability entry."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+
+
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -299,7 +304,7 @@ class CompletionJob(Job):
             if entry is None:
                 tops.append(None)
                 continue
-            ranked = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:top])
+            ranked = dict(most_likely(entry, top))
             ranked.setdefault(token, entry[token])
             tops.append({self.token_text(k): v for k, v in ranked.items()})
         return {"tokens": texts,
@@ -378,7 +383,7 @@ class ChatJob(Job):
         top = self.body.top_logprobs or 0
         content = []
         for token, entry in zip(token_ids, entries):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            ranked = most_likely(entry, top)
             content.append({
                 "token": self.token_text(token), "logprob": entry[token],
                 "bytes": list(self.token_text(token).encode()),
