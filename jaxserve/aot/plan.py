@@ -14,6 +14,11 @@ What is checked, per device, from each compiled executable's `memory_analysis()`
   cache), i.e. the step updates pages in place rather than copying the cache;
 - the program's peak, arguments + outputs - aliased + temporaries + code, within the device's
   memory. `fits` holds when the weights plus the cache fit and every program's peak does.
+
+A models file runs several engines on one host (`jaxserve.aot.models_plan`): each is planned
+here with the bytes that engines loaded before it already hold (`in_use_bytes`) and on the
+devices its `devices` option names, so that its cache is sized from what is left and the
+checks above count the others' weights and caches too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import math
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,7 @@ import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.model.config import load_config
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
 from jaxserve.llm import engine_config_for
@@ -116,12 +123,27 @@ def plan_target(preset: Preset) -> Target:
     return Target(preset.platform, preset.accelerator, preset.devices)
 
 
+def mesh_device_indices(engine: EngineConfig) -> tuple[int, ...]:
+    """The device indices an engine's mesh uses: its `devices` option, else the first
+    tp * dp (as `engine_mesh` picks them at serve time)."""
+    if engine.devices is not None:
+        return engine.devices
+    return tuple(range(engine.tensor_parallel_size * engine.data_parallel_size))
+
+
 def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                overrides: dict[str, Any] | None = None, all_buckets: bool = False,
                verbose: bool = False, progress: bool = True,
-               model_name: str | None = None) -> dict[str, Any]:
+               model_name: str | None = None,
+               in_use_bytes: Mapping[int, int] | None = None) -> dict[str, Any]:
     """The plan of `model_dir` served with `preset` (plus `overrides`), as a JSON-ready dict;
     `model_name`: how the report names the model (default: the folder's name).
+
+    `in_use_bytes`: bytes per device already taken by other engines, by device index (absent:
+    0). As `Engine` does, the cache is a fraction of what the mesh's first device has free
+    once the weights are placed; the resident check and every program's peak add the largest
+    in-use figure over the mesh's devices. The `devices` option (in `overrides` or the preset)
+    picks the mesh's devices among the target's, as at serve time.
 
     Raises `ValueError` for bad usage (an option that cannot work, a CPU preset); a plan that
     does not fit or a program that fails to compile is a result (`fits` false, `reason`)."""
@@ -129,8 +151,15 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     model_config = load_config(model_dir)
     param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
     engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})
-    mesh = sharding.make_mesh(engine.tensor_parallel_size, engine.data_parallel_size,
-                              compile_only_devices(target))
+    devices = compile_only_devices(target)
+    indices = mesh_device_indices(engine)
+    if engine.devices is not None:
+        outside = [i for i in indices if i >= len(devices)]
+        if outside:
+            raise ValueError(f"devices {outside} are out of range: {target.name} has "
+                             f"{len(devices)} device(s), 0 to {len(devices) - 1}")
+        devices = tuple(devices[i] for i in indices)
+    mesh = sharding.make_mesh(engine.tensor_parallel_size, engine.data_parallel_size, devices)
     replica_mesh = sharding.replica_meshes(mesh)[0]  # every replica compiles the same programs
     model = abstract_sharded_model(model_config, param_dtype, replica_mesh,
                                    scan_layers_for(engine, target.platform))
@@ -146,11 +175,15 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "max_temp_bytes_per_device": 0, "warm_up_programs": 0, "programs": [],
         "reason": None}
     tp = engine.tensor_parallel_size
+    taken = in_use_bytes or {}
+    first_in_use = taken.get(indices[0], 0)  # what the engine sizes its cache from
+    most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
     try:
-        num_pages = pages_for_memory(stored, engine, param_dtype, hbm, weights, tp)
+        num_pages = pages_for_memory(stored, engine, param_dtype, hbm, first_in_use + weights,
+                                     tp)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
-                           f"per device: {err}"
+                           f"per device{_in_use_note(first_in_use)}: {err}"
         return result
     kv_bytes = num_pages * (page_bytes(stored, engine.page_size, param_dtype) // tp)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
@@ -171,21 +204,29 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         reports.append(report)
     result["programs"] = [dataclasses.asdict(r) for r in reports]
     result["max_temp_bytes_per_device"] = max((r.temp_bytes for r in reports), default=0)
-    result["reason"] = _failure(reports, weights + kv_bytes, hbm)
+    result["reason"] = _failure(reports, weights + kv_bytes, hbm, most_in_use)
     result["fits"] = result["reason"] is None
     return result
 
 
-def _failure(reports: list[ProgramReport], resident: int, hbm: int) -> str | None:
-    """Why the plan fails (the first reason), or None."""
+def _in_use_note(in_use: int) -> str:
+    """How a failure mentions the bytes other engines hold (nothing when they hold none)."""
+    return f" with {in_use / GIB:.2f} GiB in use by other engines" if in_use else ""
+
+
+def _failure(reports: list[ProgramReport], resident: int, hbm: int,
+             in_use: int) -> str | None:
+    """Why the plan fails (the first reason), or None. `resident`: the engine's weights + KV
+    cache bytes per device; `in_use`: bytes other engines hold on its fullest device."""
+    note = _in_use_note(in_use)
     for r in reports:
         if not r.compiled:
             return f"program {r.name} ({r.tokens} tokens, {r.seqs} seqs) failed: {r.error}"
         if not r.cache_donated:
             return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
-        if r.peak_bytes > hbm:
+        if in_use + r.peak_bytes > hbm:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
-                    f"GiB per device of {hbm / GIB:.2f}")
-    if resident > hbm:
-        return f"weights + KV cache take {resident / GIB:.2f} GiB of {hbm / GIB:.2f}"
+                    f"GiB per device of {hbm / GIB:.2f}{note}")
+    if in_use + resident > hbm:
+        return f"weights + KV cache take {resident / GIB:.2f} GiB of {hbm / GIB:.2f}{note}"
     return None

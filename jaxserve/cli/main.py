@@ -1,12 +1,14 @@
 """The `jaxserve` command line: `serve`, `generate`, `bench serve`, `convert`.
 
     jaxserve serve [--model PATH] [--config PRESET.toml] [--host 127.0.0.1] [--port 8000]
+    jaxserve serve --models models.toml   (several models and versions; see jaxserve.fleet)
     jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
     jaxserve bench offline [--model PATH]
     jaxserve bench structured [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
     jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
+    jaxserve plan --models models.toml
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the
 built-in defaults, the preset (`--config FILE`; the `cpu` preset on CPU), then flags given
@@ -16,6 +18,7 @@ explicitly (see `jaxserve.presets.engine_settings`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -85,32 +88,79 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_need_api_key and not args.api_key:
         raise ValueError("--metrics-need-api-key needs --api-key (the key /metrics would ask)")
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    model, dtype, options = resolve_model_settings(args)
-    _check_before_serving(model, dtype, args.config, options)
-    if not multihost.is_leader():
-        from jaxserve.llm import LLM
+    if args.models is not None:
+        options = _models_file_options(args)
+    else:
+        model, dtype, engine_options = resolve_model_settings(args)
+        _check_before_serving(model, dtype, args.config, engine_options)
+        if not multihost.is_leader():
+            from jaxserve.llm import LLM
 
-        LLM(model, dtype=dtype, config=args.config, **options).engine.run_follower()
-        return 0
-    served_names = args.served_model_name
-    if served_names is None and args.model is None:
-        from jaxserve.default_model import DEFAULT_MODEL_NAME
+            LLM(model, dtype=dtype, config=args.config, **engine_options).engine.run_follower()
+            return 0
+        served_names = args.served_model_name
+        if served_names is None and args.model is None:
+            from jaxserve.default_model import DEFAULT_MODEL_NAME
 
-        served_names = [DEFAULT_MODEL_NAME]
-    state = ServerState(ServerOptions(
-        model=model, served_model_name=served_names, dtype=dtype, config=args.config,
-        api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
-        max_body_bytes=args.max_body_bytes,
-        max_waiting_requests=args.max_waiting_requests, engine_options=options))
+            served_names = [DEFAULT_MODEL_NAME]
+        options = ServerOptions(model=model, served_model_name=served_names, dtype=dtype,
+                                config=args.config, engine_options=engine_options)
+    state = ServerState(dataclasses.replace(
+        options, api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
+        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests))
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout))
     state.on_fatal = lambda: setattr(server, "should_exit", True)  # exit once it is closed
+    if args.models is not None:
+        _reload_on_sighup(state)
     server.run()
     if state.fatal_error:
         print(f"jaxserve: error: {state.fatal_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _models_file_options(args: argparse.Namespace):
+    """Server options for `--models FILE`, after checking every entry as `--model` is
+    checked (folder, config.json, preset, options, devices) before the socket opens."""
+    import jax
+
+    from jaxserve.engine import multihost
+    from jaxserve.fleet.models_file import read_models_file
+    from jaxserve.server.state import ServerOptions
+
+    given = [f"--{name.replace('_', '-')}" for name in ("model", "config", "dtype",
+                                                        "served_model_name")
+             if getattr(args, name) is not None] + [f"--{k.replace('_', '-')}"
+                                                     for k in flag_options(args)]
+    if given:
+        raise ValueError(f"--models takes each model's settings from the file; drop {given}")
+    if multihost.is_multiprocess():
+        raise ValueError("--models runs on one host; a multi-host slice serves one --model")
+    for entry in read_models_file(args.models, jax.local_device_count()):
+        try:
+            _check_before_serving(entry.path, entry.dtype, entry.config, entry.options())
+        except ValueError as err:
+            raise ValueError(f"{args.models}: {entry.pinned_id}: {err}") from None
+    return ServerOptions(models_file=args.models)
+
+
+def _reload_on_sighup(state) -> None:
+    """`kill -HUP` re-reads the models file (on a thread: loading takes a while); a bad file
+    or a failed load is logged, and the previous models keep serving."""
+    import signal
+    import threading
+
+    def reload():
+        try:
+            state.reload()
+        except Exception as err:  # noqa: BLE001 - the old configuration keeps serving
+            logging.getLogger("jaxserve.fleet").error("reload failed, the previous models "
+                                                      "keep serving: %s", err)
+
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(
+        target=reload, name="jaxserve-reload", daemon=True).start())
 
 
 def _check_before_serving(model: str, dtype: str | None, config: str | None,
@@ -161,6 +211,10 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxserve.aot.report import format_plan
     from jaxserve.presets import load_preset, reference_model_dir
 
+    if args.models is not None:
+        from jaxserve.aot.models_plan import run_models_plan
+
+        return run_models_plan(args)
     if not args.config:
         raise ValueError("plan needs --config PRESET (a file in tpu_configs/ or gpu_configs/)")
     preset = load_preset(args.config)
@@ -204,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_options(serve)
+    serve.add_argument("--models", default=None, metavar="MODELS.toml",
+                       help="several models and versions from a models file (names, "
+                            "versions, weights, presets, devices, fallbacks; see README); "
+                            "SIGHUP or POST /admin/reload re-reads it")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
     serve.add_argument("--port", type=int, default=8000)
@@ -245,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
                      "report memory per device and whether it fits (exit 0 fits, 1 not)")
     _add_model_options(plan)
+    plan.add_argument("--models", default=None, metavar="MODELS.toml",
+                      help="plan every engine of a models file together (engines sharing a "
+                           "device must fit together)")
     plan.set_defaults(model=None)
     plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     plan.add_argument("--all-buckets", action="store_true",

@@ -47,6 +47,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     scan_layers: bool | None = None
+    devices: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -74,6 +75,19 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")
+        if self.devices is not None:
+            devices = self.devices
+            if not isinstance(devices, (list, tuple)) or not devices or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+                raise ValueError(f"devices must be a non-empty list of device indices (0, 1, "
+                                 f"...), got {devices!r}")
+            if len(set(devices)) != len(devices):
+                raise ValueError(f"devices lists a device twice: {list(devices)}")
+            if len(devices) != self.tensor_parallel_size * self.data_parallel_size:
+                raise ValueError(f"devices lists {len(devices)} device(s); the mesh "
+                                 f"tensor_parallel_size x data_parallel_size needs "
+                                 f"{self.tensor_parallel_size * self.data_parallel_size}")
+            object.__setattr__(self, "devices", tuple(devices))
         object.__setattr__(self, "token_buckets", self._ladder(
             "token_buckets", self.token_buckets, self.max_num_batched_tokens, 16))
         object.__setattr__(self, "seq_buckets", self._ladder(

@@ -103,7 +103,8 @@ def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
 
 
 def engine_mesh(config: EngineConfig) -> Mesh:
-    """The `(data_parallel_size, tensor_parallel_size)` mesh over all processes' devices."""
+    """The `(data_parallel_size, tensor_parallel_size)` mesh over all processes' devices, or
+    over the local devices `config.devices` names."""
     if config.data_parallel_size > 1 and multihost.is_multiprocess():
         raise ValueError("data_parallel_size > 1 is not supported across several processes; "
                          "use tensor_parallel_size over all hosts' devices")
@@ -112,7 +113,18 @@ def engine_mesh(config: EngineConfig) -> Mesh:
         raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) must equal "
                          f"the {jax.device_count()} devices of all processes in a multi-host "
                          "run, so every process takes part in every step")
-    return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+    devices = None
+    if config.devices is not None:
+        if multihost.is_multiprocess():
+            raise ValueError("devices cannot be chosen in a multi-host run (every process's "
+                             "devices take part in every step)")
+        local = jax.local_devices()
+        outside = [d for d in config.devices if d >= len(local)]
+        if outside:
+            raise ValueError(f"devices {outside} are out of range: this process has "
+                             f"{len(local)} {local[0].platform} device(s), 0 to {len(local) - 1}")
+        devices = [local[d] for d in config.devices]
+    return sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size, devices)
 
 
 class Engine:
@@ -441,6 +453,13 @@ class Engine:
                 self.runner.decode(inp, num_steps)
             else:
                 self.runner.step(inp)
+
+    def release(self) -> None:
+        """Free every replica's device memory (weights and KV cache); for an engine that has
+        no requests left and will not step again."""
+        self.failure = self.failure or "released"
+        for replica in self.replicas:
+            replica.runner.release()
 
     def shutdown(self) -> None:
         """On process 0 of a multi-host run: release the followers (idempotent; also run at

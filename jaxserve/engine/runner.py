@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,7 @@ class Runner:
         self.mask_words = -(-model.config.vocab_size // 32)  # int32 words of a token bitmask
         self._all_allowed: dict[int, jax.Array] = {}  # rows → [rows, mask_words] of -1
         self.warmed_up = False
+        self.warm_up_seconds = 0.0
         self.compiles_after_warmup = 0
 
     # ---- traced programs ----------------------------------------------------------------
@@ -268,11 +270,14 @@ class Runner:
         return keys
 
     def warm_up(self, progress: bool = True) -> None:
-        """Compile every bucket's program (from the persistent cache when it has them)."""
+        """Compile every bucket's program (from the persistent cache when it has them);
+        `warm_up_seconds` says how long it took."""
+        started = time.perf_counter()
         for key in tqdm(self.bucket_programs(), desc="Compiling buckets", unit="program",
                         disable=not progress):
             self.program(*key)
         self.warmed_up = True
+        self.warm_up_seconds = time.perf_counter() - started
 
     # ---- after a failed step -------------------------------------------------------------
     def caches_usable(self) -> bool:
@@ -289,6 +294,16 @@ class Runner:
         """A fresh, zeroed KV cache and last-token buffer (every cached token is lost)."""
         self.caches = self._allocate_caches()
         self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
+
+    def release(self) -> None:
+        """Delete the device buffers this runner holds (weights, KV cache, kept inputs), so
+        their memory returns now rather than at some later garbage collection; the runner
+        cannot run afterwards. For an engine removed from a running server."""
+        held = (self._state_leaves, self.caches, self.last_tokens, self._no_history,
+                self._all_allowed)
+        for array in jax.tree.leaves(held):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
 
     # ---- running ------------------------------------------------------------------------
     def empty_input(self, tokens: int, rows: int) -> StepInput:

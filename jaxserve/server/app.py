@@ -3,8 +3,13 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
 `POST /detokenize`, `GET /tokenizer_info` (vLLM's), `GET /health` (503 until the
-model is loaded and warmed up; 500 once it cannot serve, while the process exits), `GET
-/metrics` (Prometheus). Errors use OpenAI's JSON shape and name the bad field. The model
+models are loaded and warmed up; 500 once none can serve, while the process exits), `GET
+/metrics` (Prometheus), `POST /admin/reload` (re-read the models file, `jaxserve.fleet`).
+
+Each request's `model` is routed by `jaxserve.fleet.routing` (a name's versions by weight, a
+pinned id `name@version` to its version); the `x-jaxserve-model-version` header names the
+version that answered. When that version's queue is full (429) or its engine failed (500),
+a version with a `fallback` hands the request to it, and `x-jaxserve-fallback-from` says so. Errors use OpenAI's JSON shape and name the bad field. The model
 loads on a background thread after the socket is open, so orchestrators see the process
 alive while `/health` says whether it is ready.
 """
@@ -22,8 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.fleet.fleet import ReloadError
+from jaxserve.fleet.routing import Route, UnknownModelError
+from jaxserve.fleet.served_model import ServedModel
 from jaxserve.server import handlers
-from jaxserve.server.async_engine import EngineDeadError, QueueFullError
+from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.state import ServerState
 from jaxserve.server.tokenizer_routes import add_tokenizer_routes
@@ -95,15 +103,13 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            error_type="authentication_error", code="invalid_api_key")
 
-    def ready_engine():
+    def route(model: str | None) -> Route:
         if not state.ready:
             raise APIError(503, state.not_ready_reason(), error_type="service_unavailable")
-        return state
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in state.model_names:
-            raise APIError(404, f"The model `{name}` does not exist; served: "
-                                f"{state.model_names}", "model", code="model_not_found")
+        try:
+            return state.fleet.router.route(model)
+        except UnknownModelError as err:
+            raise APIError(404, str(err), "model", code="model_not_found") from None
 
     v1 = [Depends(check_api_key)]
 
@@ -113,7 +119,8 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(500, state.fatal_error, error_type="server_error")
         if not state.ready:
             return _error(503, state.not_ready_reason(), error_type="service_unavailable")
-        return {"status": "ok"}
+        return {"status": "ok", "models": {
+            s.pinned_id: "failed" if s.failure else "ready" for s in state.fleet.table.served}}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -125,28 +132,61 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-             "max_model_len": state.max_model_len} for name in state.model_names]}
+        if not state.ready:
+            return {"object": "list", "data": []}
+        return {"object": "list", "data": model_cards(state)}
+
+    @app.post("/admin/reload", dependencies=v1)
+    async def reload():
+        try:
+            timeline = await asyncio.to_thread(state.reload)
+        except ValueError as err:
+            raise APIError(400, f"reload refused, the previous models keep serving: {err}",
+                           "models") from None
+        except ReloadError as err:
+            raise APIError(500, f"reload failed, the previous models keep serving: {err}",
+                           error_type="server_error") from None
+        return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
+
+    async def admit(served: ServedModel, body, build: Callable, answer_as: str):
+        """The job of `body` on `served` (its grammar compiled off the event loop first)."""
+        structured = body.structured()
+        if structured is not None:  # compiled off the event loop; the job finds it cached
+            try:
+                await asyncio.to_thread(served.llm.engine.grammar_compiler().compile,
+                                        structured)
+            except InvalidRequestError as err:
+                err.field = body.structured_field()  # the name the client sent
+                raise
+        return build(served, body, answer_as)
 
     async def run(request: Request, body, build: Callable):
-        check_model(body.model)
-        served = ready_engine()
-        try:
-            structured = body.structured()
-            if structured is not None:  # compiled off the event loop; the job finds it cached
-                try:
-                    await asyncio.to_thread(served.engine.engine.grammar_compiler().compile,
-                                            structured)
-                except InvalidRequestError as err:
-                    err.field = body.structured_field()  # the name the client sent
+        chosen, tried = route(body.model), set()
+        while True:
+            served = chosen.served
+            tried.add(served.pinned_id)
+            answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
+                         else body.model or served.entry.name)
+            try:
+                job = await admit(served, body, build, answer_as)
+                break
+            except RetiredError:  # removed by a reload a moment ago: the new table decides
+                chosen = route(body.model)
+            except (QueueFullError, EngineDeadError):
+                fallback = state.fleet.router.fallback(chosen)
+                if fallback is None or fallback.served.pinned_id in tried:
                     raise
-            job = build(served, body)
-        except ValueError as err:
-            raise APIError(400, str(err), getattr(err, "field", None)) from None
+                chosen = fallback
+            except ValueError as err:
+                raise APIError(400, str(err), getattr(err, "field", None)) from None
+        state.prometheus.count_route(state.fleet.public_id(served), served.entry.version,
+                                     chosen.reason)
+        headers = {"x-jaxserve-model-version": served.pinned_id}
+        if chosen.fallback_from:
+            headers["x-jaxserve-fallback-from"] = chosen.fallback_from
         if body.stream:
-            return StreamingResponse(job.sse(), media_type="text/event-stream")
-        return JSONResponse(await _unless_disconnected(request, job.collect()))
+            return StreamingResponse(job.sse(), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await _unless_disconnected(request, job.collect()), headers=headers)
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request, body: CompletionRequest):
@@ -159,6 +199,27 @@ def create_app(state: ServerState) -> FastAPI:
     add_tokenizer_routes(app, state, v1)
 
     return app
+
+
+def model_cards(state: ServerState) -> list[dict]:
+    """`/v1/models`: each name (with its versions and weights) and alias; with a models file
+    also each pinned id, its parent name and weight."""
+    table = state.fleet.table
+
+    def card(model_id: str, served: ServedModel, **more) -> dict:
+        return {"id": model_id, "object": "model", "created": state.created,
+                "owned_by": "jaxserve", "max_model_len": served.max_model_len, **more}
+
+    cards = []
+    for name, versions in table.versions.items():
+        cards.append(card(name, versions[0], versions=[
+            {"id": v.pinned_id, "weight": table.weight(v)} for v in versions]))
+    cards += [card(alias, table.versions[name][0], parent=name)
+              for alias, name in table.aliases.items()]
+    if state.fleet.pinned_ids:
+        cards += [card(s.pinned_id, s, parent=s.entry.name, weight=table.weight(s),
+                       status="failed" if s.failure else "ready") for s in table.served]
+    return cards
 
 
 class BodySizeLimit:

@@ -9,9 +9,10 @@ that stops listening (client disconnected) aborts its request, which frees its p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, ContextManager
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_processor import StreamDelta, merge_deltas
@@ -30,16 +31,24 @@ class EngineDeadError(RuntimeError):
     """The engine failed this request (its step raised, or the engine gave up); HTTP 500."""
 
 
+class RetiredError(RuntimeError):
+    """The engine takes no new requests (its model version is being removed); route the
+    request again."""
+
+
 class AsyncEngine:
     """Bridges the engine thread and asyncio request handlers."""
 
     def __init__(self, engine: Engine, max_waiting: int,
                  on_step: Callable[[list[StreamDelta]], None] | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None,
+                 turn: Callable[[], ContextManager] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step  # called on the engine thread after every step
         self.on_failure = on_failure  # called once if the engine gives up, with the reason
+        self.turn = turn or contextlib.nullcontext  # held around each step (shared devices)
+        self._retired = False  # submits refused from now on (the version is being removed)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sequences: dict[str, Sequence] = {}
         self._lock = threading.Lock()
@@ -62,6 +71,12 @@ class AsyncEngine:
         with self._lock:
             return len(self._sequences)
 
+    def retire(self) -> None:
+        """Refuse new requests (`RetiredError`); those already submitted carry on. Once this
+        returns, `num_in_flight` only falls."""
+        with self._lock:
+            self._retired = True
+
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -70,7 +85,8 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                deltas = self.engine.step()  # a failed step fails only its own requests
+                with self.turn():
+                    deltas = self.engine.step()  # a failed step fails only its own requests
             except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
                 log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
@@ -130,11 +146,15 @@ class AsyncEngine:
         with self._lock:  # counted here: queued requests the scheduler has not seen yet too
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
+            if self._retired:
+                raise RetiredError("this model version is being removed")
             waiting = sum(seq.status is Status.WAITING for seq in self._sequences.values())
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)
         with self._lock:
+            if self._retired:  # retired while this request was being validated
+                raise RetiredError("this model version is being removed")
             self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
             self._sequences[request_id] = seq
         self.engine.enqueue(seq)

@@ -48,14 +48,16 @@ class Job:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, state, body):
-        self.state, self.body = state, body
-        self.engine = state.engine
-        self.tokenizer = state.llm.tokenizer
-        self.max_model_len = state.max_model_len
+    def __init__(self, served, body, answer_as: str):
+        """`served`: the `jaxserve.fleet.ServedModel` that runs it; `answer_as`: the
+        `model` its bodies name."""
+        self.body = body
+        self.engine = served.engine
+        self.tokenizer = served.tokenizer
+        self.max_model_len = served.max_model_len
         self.id = new_id(self.id_prefix)
         self.created = now()
-        self.model = body.model or state.model_names[0]
+        self.model = answer_as
         self.choices: list[Choice] = []
         try:
             self.structured = body.structured()

@@ -3,9 +3,16 @@
 Request latencies and token counts are observed when a request finishes (a listener on the
 engine's metrics); queue lengths, KV-cache usage and the allocator's and scheduler's running
 counts are read at scrape time. jaxserve's own series are prefixed `jaxserve:`.
+
+One registry serves every engine of the server: each series carries `model_name` (vLLM's
+label), the served id of the engine (with a models file, its pinned id `name@version`).
+An engine removed by a reload leaves its counters and histograms (they stay monotonic for
+`rate()`), and its scrape-time gauges go with it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,58 +26,55 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class _EngineState:
-    """Scrape-time gauges and counters from `Engine.stats()`."""
+    """Scrape-time gauges and counters from each attached engine's `Engine.stats()`."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine
-        self.labels = [model_name]
+    def __init__(self, engines: dict[str, Engine]):
+        self.engines = engines  # model_name → engine, changed by attach/detach
 
     def collect(self):
-        stats = self.engine.stats()  # summed over data-parallel replicas
+        stats = {name: engine.stats() for name, engine in list(self.engines.items())}
 
-        def gauge(name, doc, value):
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(self.labels, value)
-            return family
+        def family(kind, name, doc, field):
+            metric = kind(name, doc, labels=["model_name"])
+            for model_name, values in stats.items():
+                metric.add_metric([model_name], getattr(values, field))
+            return metric
 
-        def counter(name, doc, value):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(self.labels, value)
-            return family
-
+        gauge = functools.partial(family, GaugeMetricFamily)
+        counter = functools.partial(family, CounterMetricFamily)
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    stats.num_running)
+                    "num_running")
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_waiting)
+                    "num_waiting")
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).",
-                    stats.kv_cache_usage)
+                    "kv_cache_usage")
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of pages.",
-                      stats.num_preemptions)
+                      "num_preemptions")
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
+                      "prefix_cache_queries")
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.prefix_cache_hits)
+                      "prefix_cache_hits")
         yield counter("jaxserve:compilations_after_warmup",
                       "Programs compiled after warm-up (each is a latency spike).",
-                      stats.compiles_after_warmup)
+                      "compiles_after_warmup")
         yield gauge("jaxserve:compiled_programs",
                     "Bucket programs this model's engine holds (compiled once per process "
-                    "and shared by engines with the same programs).", stats.compiled_programs)
+                    "and shared by engines with the same programs).", "compiled_programs")
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
-            yield gauge("jaxserve:memory_mappings", "Memory mappings the process holds.",
-                        mappings[0])
-            yield gauge("jaxserve:memory_mappings_limit",
-                        "The kernel's limit on a process's memory mappings (vm.max_map_count).",
-                        mappings[1])
+            yield GaugeMetricFamily("jaxserve:memory_mappings",
+                                    "Memory mappings the process holds.", mappings[0])
+            yield GaugeMetricFamily(
+                "jaxserve:memory_mappings_limit",
+                "The kernel's limit on a process's memory mappings (vm.max_map_count).",
+                mappings[1])
 
 
 class PrometheusMetrics:
-    """The registry behind `/metrics` for one served model."""
+    """The registry behind `/metrics` for the engines the server runs."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self):
         self.registry = CollectorRegistry()
-        self.model_name = model_name
         labels = ["model_name"]
         reg = dict(registry=self.registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.",
@@ -95,12 +99,26 @@ class PrometheusMetrics:
         }
         self.inter_token = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
                                      labels, buckets=LATENCY_BUCKETS, **reg)
-        self.registry.register(_EngineState(engine, model_name))
-        engine.metrics.add_listener(self.observe)
+        self.routed = Counter("jaxserve:requests_routed", "Requests routed to a model version, "
+                              "by why: weight (a name's split), pinned (a pinned id), fallback.",
+                              ["model_name", "version", "reason"], **reg)
+        self._engines: dict[str, Engine] = {}
+        self.registry.register(_EngineState(self._engines))
 
-    def observe(self, stats: RequestStats) -> None:
-        """Fold one finished request in (runs on the engine thread)."""
-        name = self.model_name
+    def attach(self, engine: Engine, model_name: str) -> None:
+        """Report `engine`'s requests and state under `model_name`."""
+        self._engines[model_name] = engine
+        engine.metrics.add_listener(functools.partial(self.observe, model_name))
+
+    def detach(self, model_name: str) -> None:
+        """Stop reading the scrape-time state of a removed engine."""
+        self._engines.pop(model_name, None)
+
+    def count_route(self, model_name: str, version: str, reason: str) -> None:
+        self.routed.labels(model_name, version, reason).inc()
+
+    def observe(self, name: str, stats: RequestStats) -> None:
+        """Fold one finished request of model `name` in (runs on its engine thread)."""
         self.prompt_tokens.labels(name).inc(stats.prompt_tokens)
         self.generation_tokens.labels(name).inc(stats.generation_tokens)
         self.request_success.labels(name, stats.finish_reason).inc()

@@ -1,4 +1,4 @@
-"""What the server holds: the model (loaded on a background thread), the engine bridge,
+"""What the server holds: its models (`jaxserve.fleet`, loaded on a background thread), the
 metrics, and the request limits."""
 
 from __future__ import annotations
@@ -10,6 +10,11 @@ import threading
 import time
 from typing import Any, Callable
 
+import jax
+
+from jaxserve.fleet.fleet import ModelFleet
+from jaxserve.fleet.models_file import ModelEntry, read_models_file
+from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.prometheus import PrometheusMetrics
@@ -19,9 +24,9 @@ log = logging.getLogger("jaxserve.server")
 
 @dataclasses.dataclass
 class ServerOptions:
-    """Server-level settings (the engine's are `engine_options`)."""
+    """Server-level settings (the engine's are `engine_options`, or the models file's)."""
 
-    model: str
+    model: str | None = None  # one model; or `models_file`
     served_model_name: list[str] | None = None
     dtype: str | None = None  # None: the preset's, else "auto"
     config: str | None = None  # deployment preset; None: cpu.toml on CPU
@@ -30,31 +35,68 @@ class ServerOptions:
     max_body_bytes: int = 4 << 20
     max_waiting_requests: int = 1024
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    models_file: str | None = None  # several models and versions (jaxserve.fleet)
+    routing_seed: int = 0  # of the weighted choice among a name's versions
+
+    def __post_init__(self):
+        if (self.model is None) == (self.models_file is None):
+            raise ValueError("give a model or a models file (not both)")
+        if self.models_file is not None and (self.served_model_name or self.dtype
+                                             or self.config or self.engine_options):
+            raise ValueError("with a models file, give names, dtype, preset and engine "
+                             "options per model in the file, not as flags")
+
+
+def build_llm(entry: ModelEntry) -> LLM:
+    """One entry's LLM: its folder, dtype and preset, its engine options on top."""
+    return LLM(entry.path, dtype=entry.dtype, config=entry.config, **entry.options())
 
 
 class ServerState:
     """Shared by every request handler."""
 
     def __init__(self, options: ServerOptions,
-                 load: Callable[[ServerOptions], LLM] | None = None):
+                 build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
         self.api_key = options.api_key
         self.metrics_need_api_key = options.metrics_need_api_key
         self.max_body_bytes = options.max_body_bytes
-        self.model_names = options.served_model_name or [options.model]
         self.created = int(time.time())
-        self._load = load or (lambda o: LLM(o.model, dtype=o.dtype, config=o.config,
-                                                  **o.engine_options))
-        self.llm: LLM | None = None
-        self.engine: AsyncEngine | None = None
-        self.prometheus: PrometheusMetrics | None = None
+        self.prometheus = PrometheusMetrics()
+        self.fleet = ModelFleet(self.read_entries, build, options.max_waiting_requests,
+                                self.prometheus, options.models_file is not None, self.fail,
+                                options.routing_seed)
         self.fatal_error: str | None = None  # why this server cannot serve; it exits
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
 
+    def read_entries(self) -> list[ModelEntry]:
+        """The models to serve: the models file's entries, or the one model of `--model`."""
+        options = self.options
+        if options.models_file is not None:
+            return read_models_file(options.models_file, jax.local_device_count())
+        names = options.served_model_name or [options.model]
+        return [ModelEntry(name=names[0], path=options.model, dtype=options.dtype,
+                           config=options.config, aliases=tuple(names[1:]),
+                           engine_options=tuple(sorted(options.engine_options.items())))]
+
+    # ---- the first model (the only one without a models file) ---------------------------
     @property
-    def max_model_len(self) -> int | None:
-        return self.llm.engine_config.max_model_len if self.llm else None
+    def first(self) -> ServedModel | None:
+        table = self.fleet.table
+        return table.served[0] if table else None
+
+    @property
+    def llm(self) -> LLM | None:
+        return self.first.llm if self.first else None
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.first.engine if self.first else None
+
+    def lookup(self, model: str | None) -> ServedModel:
+        """The version that would answer `model` now (`UnknownModelError` if none)."""
+        return self.fleet.router.route(model).served
 
     def not_ready_reason(self) -> str:
         return self.fatal_error or "model is loading and compiling; retry shortly"
@@ -69,18 +111,22 @@ class ServerState:
             self.on_fatal()
 
     def load(self) -> None:
-        """Load the model, warm up, start the engine thread (runs on a loader thread)."""
+        """Load the models, warm up, start the engine threads (runs on a loader thread)."""
         try:
-            self.llm = self._load(self.options)
-            self.prometheus = PrometheusMetrics(self.llm.engine, self.model_names[0])
-            self.engine = AsyncEngine(self.llm.engine, self.options.max_waiting_requests,
-                                      on_failure=self.fail)
-            self.engine.start()
+            self.fleet.start()
             self.ready = True
-            log.info("model ready: %s", self.model_names[0])
+            log.info("ready: %s", ", ".join(self.fleet.table.ids()))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
             self.fail(f"model failed to load: {err}")
+
+    def reload(self) -> list[dict]:
+        """Apply the models file again (`SIGHUP`, `POST /admin/reload`); see `ModelFleet`."""
+        if self.options.models_file is None:
+            raise ValueError("this server runs one model (--model); reloads need --models")
+        if not self.ready:
+            raise ValueError("the server is not ready yet; reload once it serves")
+        return self.fleet.reload()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -88,6 +134,4 @@ class ServerState:
         loader.start()
         yield
         self.ready = False
-        if self.engine is not None:
-            self.engine.stop()
-            self.llm.engine.shutdown()  # multi-host: release the follower processes
+        self.fleet.close()  # multi-host: releases the follower processes

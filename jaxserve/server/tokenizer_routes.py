@@ -15,7 +15,6 @@ Errors are answered here in OpenAI's shape rather than raised as `app.APIError`:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,6 +22,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.fleet.routing import UnknownModelError
+from jaxserve.fleet.served_model import ServedModel
 from jaxserve.server.protocol import ChatMessage, error_body, valid_unicode
 from jaxserve.server.state import ServerState
 
@@ -67,40 +68,43 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, dependencies: list) -
     The tokenize routes are plain functions, so FastAPI runs them on its thread pool: encoding
     a body of megabytes must not stall the event loop that streams other requests' tokens."""
 
-    def refusal(model: str | None, field: str | None) -> JSONResponse | None:
-        """The error answer when this request cannot be served, else None."""
-        if model is not None and model not in state.model_names:
-            return _error(404, f"The model `{model}` does not exist; served: "
-                               f"{state.model_names}", "model", code="model_not_found")
+    def served_or_refusal(model: str | None, field: str | None):
+        """(the version that would answer `model`, None), or (None, the error answer)."""
         if not state.ready:
-            return _error(503, state.not_ready_reason(), error_type="service_unavailable")
-        if state.llm.tokenizer is None:
-            return _error(400, "this model has no tokenizer (no tokenizer.json)", field)
-        return None
+            return None, _error(503, state.not_ready_reason(), error_type="service_unavailable")
+        try:
+            served = state.lookup(model)
+        except UnknownModelError as err:
+            return None, _error(404, str(err), "model", code="model_not_found")
+        if served.tokenizer is None:
+            return None, _error(400, "this model has no tokenizer (no tokenizer.json)", field)
+        return served, None
 
     @app.post("/tokenize", dependencies=dependencies)
     def tokenize(body: TokenizeRequest):
         field = "messages" if body.messages is not None else "prompt"
-        if (refused := refusal(body.model, field)) is not None:
+        served, refused = served_or_refusal(body.model, field)
+        if refused is not None:
             return refused
         try:
-            tokens = _tokenize(state.llm.tokenizer, body)
+            tokens = _tokenize(served.tokenizer, body)
         except InvalidRequestError as err:
             return _error(400, str(err), err.field)
         except ValueError as err:  # e.g. a model whose tokenizer has no chat template
             return _error(400, str(err), field)
         answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens),
-                                  "max_model_len": state.max_model_len}
+                                  "max_model_len": served.max_model_len}
         if body.return_token_strs:
             # vocabulary entries ("Ġword"), as vLLM's convert_ids_to_tokens gives
-            answer["token_strs"] = [state.llm.tokenizer.id_to_token(t) for t in tokens]
+            answer["token_strs"] = [served.tokenizer.id_to_token(t) for t in tokens]
         return answer
 
     @app.post("/detokenize", dependencies=dependencies)
     def detokenize(body: DetokenizeRequest):
-        if (refused := refusal(body.model, "tokens")) is not None:
+        served, refused = served_or_refusal(body.model, "tokens")
+        if refused is not None:
             return refused
-        tokenizer = state.llm.tokenizer
+        tokenizer = served.tokenizer
         bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             return _error(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
@@ -108,10 +112,11 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, dependencies: list) -
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/tokenizer_info", dependencies=dependencies)
-    async def tokenizer_info():
-        if (refused := refusal(None, None)) is not None:
+    async def tokenizer_info(model: str | None = None):
+        served, refused = served_or_refusal(model, "model")
+        if refused is not None:
             return refused
-        return _tokenizer_info(Path(state.options.model), state)
+        return _tokenizer_info(served)
 
 
 def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
@@ -131,23 +136,23 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
-def _tokenizer_info(model_dir: Path, state: ServerState) -> dict[str, Any]:
+def _tokenizer_info(served: ServedModel) -> dict[str, Any]:
     """What vLLM's `/tokenizer_info` answers: the tokenizer's configuration (its
     `tokenizer_config.json`, special tokens as plain strings, no file paths), its
     `tokenizer_class` (vLLM names the class it loaded; here the one the config names, a
     tokenizer.json alone being `PreTrainedTokenizerFast`), the special tokens and the chat
     template jaxserve uses; plus this server's `max_model_len`.
     Read from the file on each call: a few kilobytes, asked once per client."""
-    path = model_dir / "tokenizer_config.json"
+    path = served.model_dir / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     info = {key: _plain_tokens(value) for key, value in config.items()
             if key not in _PATH_FIELDS}
-    tokenizer = state.llm.tokenizer
+    tokenizer = served.tokenizer
     info["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
     info["bos_token"], info["eos_token"] = tokenizer.bos_token, tokenizer.eos_token
     if tokenizer.chat_template:
         info["chat_template"] = tokenizer.chat_template
-    info["max_model_len"] = state.max_model_len
+    info["max_model_len"] = served.max_model_len
     return info
 
 

@@ -284,11 +284,11 @@ def test_metrics_parse_and_counters_move(server):
 def test_health_is_503_until_the_model_is_ready(folder):
     release = threading.Event()
 
-    def slow_load(options):
+    def slow_load(entry):
         release.wait(30)
-        return LLM(options.model, dtype="float32", progress=False, **ENGINE)
+        return LLM(entry.path, dtype="float32", progress=False, **ENGINE)
 
-    state = ServerState(ServerOptions(model=str(folder), engine_options=ENGINE), load=slow_load)
+    state = ServerState(ServerOptions(model=str(folder), engine_options=ENGINE), slow_load)
     running = ThreadedServer(state).start()
     try:
         response = httpx.get(f"{running.url}/health")
