@@ -119,8 +119,8 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(500, state.fatal_error, error_type="server_error")
         if not state.ready:
             return _error(503, state.not_ready_reason(), error_type="service_unavailable")
-        return {"status": "ok", "models": {
-            s.pinned_id: "failed" if s.failure else "ready" for s in state.fleet.table.served}}
+        return {"status": "ok", "models": {state.fleet.public_id(s): "failed" if s.failure
+                                           else "ready" for s in state.fleet.table.served}}
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -95,7 +95,8 @@ def test_n_seed_and_logprobs(client):
 def test_models_and_health(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [NAME]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok",
+                                                        "models": {NAME: "ready"}}
 
 
 BAD_INPUTS = [

@@ -1,0 +1,555 @@
+"""`jaxserve bench models`: several models in one server (`jaxserve serve --models`), measured
+the way a user runs it: a models file, default engine options, real HTTP clients against a
+server on 127.0.0.1 (uvicorn on a thread of this process).
+
+1. Isolation. A models file serves the model twice, as "busy" and "quiet" (same folder,
+   two engines on the same device, which take round-robin turns of engine steps). The quiet
+   model's time to first token (`--requests` sequential streaming completions of a short
+   prompt, `max_tokens` 8) is measured with the busy model idle, then while the busy model
+   is flooded (`--flood-concurrency` streaming completions of `--flood-max-tokens` tokens,
+   eos ignored, each replaced as soon as it finishes, for the whole measurement). Printed:
+   quiet TTFT p50/p90 alone and under flood, their ratio (the target: p50 under flood within
+   3x of alone), and the busy model's output tokens/s during the flood.
+2. Reload timeline. A models file with one name, "bench", version 1. While
+   `--reload-concurrency` streaming requests to "bench" run (each replaced as it finishes),
+   the file is rewritten and `POST /admin/reload` applied three times: add version 2 (weight
+   50); set version 1's weight to 0; remove version 1. Printed: each reload's timeline
+   (load, loaded with weights_s and warm_up_s, switch, drain, freed; t in seconds since the
+   reload began), the requests answered by each version between reloads, the failed
+   requests (there must be none) and how long the removed version took to be freed.
+
+The busy throughput counts the tokens streamed during the measurement: a request's tokens
+are spread over its streamed chunks in proportion to their text, using the tokens per
+character of the flood requests that finished (their `usage`); the requests still running
+when the measurement ends are cancelled (they do not count as failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import numpy as np
+
+TTFT_TARGET_RATIO = 3.0  # the issue's target: quiet p50 under flood within 3x of alone
+QUIET_MAX_TOKENS = 8
+REQUEST_TIMEOUT = 600.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder served twice (default: the shipped model)")
+    parser.add_argument("--requests", type=int, default=20,
+                        help="sequential quiet requests timed, alone and under flood")
+    parser.add_argument("--flood-concurrency", type=int, default=64,
+                        help="streaming requests kept in flight to the busy model")
+    parser.add_argument("--flood-max-tokens", type=int, default=128,
+                        help="tokens each flood request generates (eos ignored)")
+    parser.add_argument("--reload-concurrency", type=int, default=32,
+                        help="streaming requests kept in flight during the reloads")
+    parser.add_argument("--json", default=None, help="write the results as JSON here")
+
+
+# ---- the server, in this process -------------------------------------------------------
+class _Server:
+    """`jaxserve serve --models FILE` on 127.0.0.1: uvicorn on a background thread."""
+
+    def __init__(self, models_file: Path):
+        import uvicorn
+
+        from jaxserve.server.app import create_app
+        from jaxserve.server.state import ServerOptions, ServerState
+
+        self.state = ServerState(ServerOptions(models_file=str(models_file)))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1",
+                                                    port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="jaxserve-bench-server",
+                                       daemon=True)
+
+    def start(self, timeout: float = 900.0) -> float:
+        """Start and wait until every model is loaded and warm; returns the seconds taken."""
+        started = time.perf_counter()
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state.fatal_error:
+                raise RuntimeError(f"the server cannot serve: {self.state.fatal_error}")
+            if self.server.started:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.url}/health", timeout=10).status_code == 200:
+                        return time.perf_counter() - started
+            time.sleep(0.1)
+        raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@contextlib.contextmanager
+def _serving(models_file: Path):
+    server = _Server(models_file)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _toml_entry(**fields) -> str:
+    lines = ["[[models]]"]
+    for key, value in fields.items():
+        lines.append(f"{key} = {json.dumps(value)}")  # JSON strings and numbers are TOML's
+    return "\n".join(lines) + "\n"
+
+
+def _write_models(path: Path, entries: list[dict]) -> None:
+    path.write_text("\n".join(_toml_entry(**entry) for entry in entries))
+
+
+# ---- streaming requests ----------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Result:
+    ok: bool = False
+    cancelled: bool = False  # stopped by the benchmark (end of the measurement)
+    version: str = ""  # the x-jaxserve-model-version header
+    start: float = 0.0  # time.perf_counter()
+    ttft: float = 0.0  # seconds to the first streamed choice
+    tokens: int = 0  # usage.completion_tokens (requests that finished)
+    chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, chars)
+    error: str = ""
+
+    @property
+    def chars(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, result: _Result) -> None:
+    """One streaming completion into `result` (which keeps what arrived if cancelled)."""
+    result.start = time.perf_counter()
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 timeout=REQUEST_TIMEOUT) as response:
+            result.version = response.headers.get("x-jaxserve-model-version", "")
+            if response.status_code != 200:
+                text = (await response.aread())[:200]
+                result.error = f"HTTP {response.status_code}: {text!r}"
+                return
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if "error" in chunk:
+                    result.error = f"error in the stream: {chunk['error'].get('message')}"
+                    return
+                if chunk.get("usage"):
+                    result.tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or ():
+                    if not result.chunks:
+                        result.ttft = now - result.start
+                    result.chunks.append((now, len(choice.get("text") or "")))
+            result.ok = done and result.tokens > 0
+            if not result.ok:
+                result.error = "no tokens" if done else "the stream ended without [DONE]"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+
+
+class _Load:
+    """`concurrency` workers, each sending requests (`make_body(index)`) one after another
+    until `stop()`: as many requests in flight as workers, for as long as it runs."""
+
+    def __init__(self, client: httpx.AsyncClient, concurrency: int,
+                 make_body: Callable[[int], dict]):
+        self.client, self.make_body = client, make_body
+        self.results: list[_Result] = []  # finished, failed and cancelled
+        self.in_flight: list[_Result] = []
+        self._count = 0
+        self._stopping = False
+        self._tasks = [asyncio.ensure_future(self._worker()) for _ in range(concurrency)]
+
+    async def _worker(self) -> None:
+        while not self._stopping:
+            result = _Result()
+            body = self.make_body(self._count)
+            self._count += 1
+            self.in_flight.append(result)
+            try:
+                await _stream(self.client, body, result)
+            except asyncio.CancelledError:
+                result.cancelled = True
+                return
+            finally:
+                self.in_flight.remove(result)
+                self.results.append(result)
+
+    @property
+    def streaming(self) -> int:
+        """Requests in flight that have streamed their first token."""
+        return sum(bool(r.chunks) for r in self.in_flight)
+
+    async def wait_streaming(self, count: int, timeout: float = 300.0) -> None:
+        """Until `count` requests in flight stream (the load is established) or `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.streaming < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self, cancel: bool) -> None:
+        """Send no more; cancel the requests in flight (`cancel`) or let them finish."""
+        self._stopping = True
+        if cancel:
+            for task in self._tasks:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def completed(self) -> list[_Result]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def failed(self) -> list[_Result]:
+        return [r for r in self.results if not r.ok and not r.cancelled]
+
+
+def _client(base_url: str, concurrency: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 8,
+                          max_keepalive_connections=concurrency + 8)
+    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=REQUEST_TIMEOUT)
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "mean": None}
+    arr = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
+            "mean": float(arr.mean())}
+
+
+def _errors(results: list[_Result]) -> list[str]:
+    return sorted({r.error for r in results if r.error})[:5]
+
+
+# ---- 1. isolation ----------------------------------------------------------------------
+async def _quiet_requests(client: httpx.AsyncClient, count: int, first: int) -> list[_Result]:
+    """`count` streaming requests to "quiet", one after another."""
+    results = []
+    for i in range(first, first + count):
+        result = _Result()
+        await _stream(client, {"model": "quiet", "prompt": f"Question {i}: the weather today is",
+                               "max_tokens": QUIET_MAX_TOKENS, "ignore_eos": True,
+                               "temperature": 0.0}, result)
+        results.append(result)
+    return results
+
+
+def _flood_tokens_per_second(load: _Load, since: float, until: float) -> dict:
+    """Output tokens the busy model streamed in [since, until], per second: each request's
+    tokens spread over its chunks by their text (finished requests: their own usage; the
+    cancelled ones: the tokens per character of the finished ones)."""
+    done = [r for r in load.results if r.ok and r.chars]
+    per_char = sum(r.tokens for r in done) / max(1, sum(r.chars for r in done))
+    tokens = 0.0
+    for r in load.results:
+        if not (r.ok or r.cancelled) or not r.chars:
+            continue
+        ratio = r.tokens / r.chars if r.ok else per_char
+        tokens += ratio * sum(n for t, n in r.chunks if since <= t <= until)
+    seconds = max(until - since, 1e-9)
+    return {"output_tokens": round(tokens), "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds}
+
+
+async def _isolation(server: _Server, requests: int, flood_concurrency: int,
+                     flood_max_tokens: int, say: Callable[[str], None]) -> dict:
+    busy = server.state.fleet.table.pinned["busy@1"]
+    quiet = server.state.fleet.table.pinned["quiet@1"]
+    devices = {"busy@1": list(busy.device_ids), "quiet@1": list(quiet.device_ids)}
+    async with _client(server.url, flood_concurrency) as client:
+        # first requests outside the timing (both engines, both request shapes)
+        await _quiet_requests(client, 2, 10_000)
+        await _stream(client, {"model": "busy", "prompt": "Warm-up: once upon a time",
+                               "max_tokens": 16, "ignore_eos": True}, _Result())
+
+        say(f"  quiet alone: {requests} sequential requests...")
+        alone = await _quiet_requests(client, requests, 0)
+
+        def flood_body(i: int) -> dict:
+            return {"model": "busy", "prompt": f"Story {i}: once upon a time, in a land",
+                    "max_tokens": flood_max_tokens, "ignore_eos": True, "temperature": 0.8,
+                    "seed": i}
+
+        say(f"  flooding busy: {flood_concurrency} streaming requests in flight "
+            f"(max_tokens {flood_max_tokens}, ignore_eos)...")
+        flood = _Load(client, flood_concurrency, flood_body)
+        running = min(flood_concurrency, busy.llm.engine_config.max_num_seqs)
+        await flood.wait_streaming(running)
+        say(f"  quiet under flood: {requests} sequential requests "
+            f"({flood.streaming} busy requests streaming)...")
+        since = time.perf_counter()
+        flooded = await _quiet_requests(client, requests, requests)
+        until = time.perf_counter()
+        streaming_at_end = flood.streaming
+        # cancel the flood's unfinished requests, unless none finished to count tokens by
+        await flood.stop(cancel=bool(flood.completed))
+        throughput = _flood_tokens_per_second(flood, since, until)
+
+    failed = [r for r in alone + flooded if not r.ok] + flood.failed
+    wrong = [r.version for r in alone + flooded if r.ok and r.version != "quiet@1"]
+    ttft_alone = _stats([r.ttft for r in alone if r.ok])
+    ttft_flooded = _stats([r.ttft for r in flooded if r.ok])
+    ratio = {k: (ttft_flooded[k] / ttft_alone[k] if ttft_alone[k] and ttft_flooded[k]
+                 else None) for k in ("p50", "p90")}
+    return {
+        "devices": devices,
+        "requests": requests,
+        "quiet_max_tokens": QUIET_MAX_TOKENS,
+        "flood_concurrency": flood_concurrency,
+        "flood_max_tokens": flood_max_tokens,
+        "quiet_ttft_alone_s": ttft_alone,
+        "quiet_ttft_flooded_s": ttft_flooded,
+        "ttft_ratio": ratio,
+        "target_ratio": TTFT_TARGET_RATIO,
+        "meets_target": ratio["p50"] is not None and ratio["p50"] <= TTFT_TARGET_RATIO,
+        "busy_streaming_at_start": running, "busy_streaming_at_end": streaming_at_end,
+        "busy_throughput": {**throughput, "completed": len(flood.completed),
+                            "cancelled": sum(r.cancelled for r in flood.results)},
+        "quiet_answered_by_other_version": len(wrong),
+        "failed": len(failed),
+        "errors": _errors(failed),
+    }
+
+
+def measure_isolation(model: str, requests: int = 20, flood_concurrency: int = 64,
+                      flood_max_tokens: int = 128, say: Callable[[str], None] = print) -> dict:
+    """Quiet TTFT alone and while the busy model (same folder, same device) is flooded."""
+    with tempfile.TemporaryDirectory(prefix="jaxserve-bench-models-") as folder:
+        models_file = Path(folder) / "models.toml"
+        _write_models(models_file, [{"name": "busy", "path": model},
+                                    {"name": "quiet", "path": model}])
+        say(f"isolation: {models_file.name} serves {model} as \"busy\" and \"quiet\"; "
+            "loading and warming up both...")
+        with _serving(models_file) as server:
+            ready = server.start()
+            say(f"  ready in {ready:.1f} s")
+            result = asyncio.run(_isolation(server, requests, flood_concurrency,
+                                            flood_max_tokens, say))
+    result["ready_s"] = ready
+    return result
+
+
+def format_isolation(r: dict) -> str:
+    def ms(value):
+        return f"{value * 1000:>9.1f}" if value is not None else f"{'-':>9}"
+
+    def times(value):
+        return f"{value:.2f}x" if value is not None else "-"
+
+    a, f, ratio = r["quiet_ttft_alone_s"], r["quiet_ttft_flooded_s"], r["ttft_ratio"]
+    verdict = "meets" if r["meets_target"] else "MISSES"
+    thr = r["busy_throughput"]
+    lines = [
+        f"devices: busy@1 {r['devices']['busy@1']}, quiet@1 {r['devices']['quiet@1']}",
+        f"quiet TTFT ({r['requests']} sequential requests, max_tokens "
+        f"{r['quiet_max_tokens']})       p50 (ms)  p90 (ms)",
+        f"  {'alone (busy idle)':<44}{ms(a['p50'])} {ms(a['p90'])}",
+        f"  {'busy flooded (' + str(r['flood_concurrency']) + ' in flight, max_tokens ' + str(r['flood_max_tokens']) + ')':<44}"
+        f"{ms(f['p50'])} {ms(f['p90'])}",
+        f"  {'ratio flooded / alone':<44}{times(ratio['p50']):>9} {times(ratio['p90']):>9}",
+        f"target: p50 under flood within {r['target_ratio']:.0f}x of alone: {verdict} it",
+        f"busy throughput during the flood: {thr['output_tokens_per_s']:.1f} output tokens/s "
+        f"({thr['output_tokens']} tokens in {thr['seconds']:.1f} s; {thr['completed']} "
+        f"requests completed, {thr['cancelled']} cancelled at the end)",
+        f"failed requests: {r['failed']}" + (f"  {r['errors']}" if r["errors"] else ""),
+    ]
+    if r["quiet_answered_by_other_version"]:
+        lines.append(f"quiet requests answered by another version: "
+                     f"{r['quiet_answered_by_other_version']}")
+    return "\n".join(lines)
+
+
+# ---- 2. reloads ------------------------------------------------------------------------
+RELOADS = [
+    ("add bench@2 (weight 50)",
+     [{"name": "bench", "version": "1", "path": None},
+      {"name": "bench", "version": "2", "path": None, "weight": 50}]),
+    ("set bench@1's weight to 0",
+     [{"name": "bench", "version": "1", "path": None, "weight": 0},
+      {"name": "bench", "version": "2", "path": None, "weight": 50}]),
+    ("remove bench@1",
+     [{"name": "bench", "version": "2", "path": None, "weight": 50}]),
+]
+RELOAD_MAX_TOKENS = 64
+
+
+def _entries(template: list[dict], model: str) -> list[dict]:
+    return [{**entry, "path": model} for entry in template]
+
+
+async def _reloads(server: _Server, models_file: Path, model: str, concurrency: int,
+                   say: Callable[[str], None]) -> dict:
+    state = server.state
+    v1 = state.fleet.table.pinned["bench@1"]
+
+    def body(i: int) -> dict:
+        return {"model": "bench", "prompt": f"Request {i}: it was a fine morning when",
+                "max_tokens": RELOAD_MAX_TOKENS, "ignore_eos": True, "temperature": 0.8,
+                "seed": i}
+
+    reloads = []
+    async with _client(server.url, concurrency) as client:
+        await _stream(client, body(-1), _Result())  # first request outside the timing
+        load = _Load(client, concurrency, body)
+        await load.wait_streaming(min(concurrency, v1.llm.engine_config.max_num_seqs))
+        say(f"  {load.streaming} streaming requests to \"bench\" in flight")
+        for number, (what, template) in enumerate(RELOADS, 1):
+            _write_models(models_file, _entries(template, model))
+            in_flight = len(load.in_flight)
+            say(f"  reload {number}: {what} ({in_flight} requests in flight)...")
+            sent = time.perf_counter()
+            response = await client.post("/admin/reload", timeout=REQUEST_TIMEOUT)
+            answered = time.perf_counter()
+            reply = response.json()
+            if response.status_code != 200:
+                raise RuntimeError(f"reload {number} answered HTTP {response.status_code}: "
+                                   f"{reply}")
+            reloads.append({"reload": number, "change": what, "answered_s": answered - sent,
+                            "answered_at": answered, "in_flight": in_flight,
+                            "models": reply["models"], "timeline": reply["timeline"]})
+        # the removed version drains and is freed on a background thread
+        await asyncio.to_thread(state.fleet.wait_drained, 600)
+        freed_wall = time.perf_counter() - reloads[-1]["answered_at"]
+        reloads[-1]["timeline"] = list(state.fleet.timeline)
+        listed = [card["id"] for card in (await client.get("/v1/models")).json()["data"]]
+        await load.stop(cancel=False)  # every request runs to its end: none may fail
+
+    # which version answered, by when the request was sent (before each reload answered)
+    bounds = [r["answered_at"] for r in reloads]
+    labels = ["before reload 1"] + [f"after reload {r['reload']}" for r in reloads]
+    by_phase = {label: {} for label in labels}
+    for result in load.results:
+        phase = labels[int(np.searchsorted(bounds, result.start))]
+        by_phase[phase][result.version or "none"] = by_phase[phase].get(
+            result.version or "none", 0) + 1
+    last = reloads[-1]["timeline"]
+    drain = next((e for e in last if e["phase"] == "drain"), None)
+    freed = next((e for e in last if e["phase"] == "freed"), None)
+    for r in reloads:
+        del r["answered_at"]
+    return {
+        "concurrency": concurrency,
+        "max_tokens": RELOAD_MAX_TOKENS,
+        "reloads": reloads,
+        "requests": len(load.results),
+        "completed": len(load.completed),
+        "failed": len(load.failed),
+        "errors": _errors(load.failed),
+        "answered_by": by_phase,
+        "removed": "bench@1",
+        "removed_in_flight": drain.get("in_flight") if drain else None,
+        "freed_t_s": freed["t"] if freed else None,  # since reload 3 began
+        "freed_after_drain_s": (freed["t"] - drain["t"]) if freed and drain else None,
+        "freed_after_answer_s": freed_wall,  # wall clock: reload 3's answer to freed
+        "models_listed": listed,
+    }
+
+
+def measure_reloads(model: str, concurrency: int = 32,
+                    say: Callable[[str], None] = print) -> dict:
+    """Three reloads under load (add a version, weight 0, remove it), with their timelines."""
+    with tempfile.TemporaryDirectory(prefix="jaxserve-bench-models-") as folder:
+        models_file = Path(folder) / "models.toml"
+        _write_models(models_file, [{"name": "bench", "version": "1", "path": model}])
+        say(f"reloads: {models_file.name} serves {model} as \"bench\" version 1; loading...")
+        with _serving(models_file) as server:
+            ready = server.start()
+            say(f"  ready in {ready:.1f} s")
+            result = asyncio.run(_reloads(server, models_file, model, concurrency, say))
+    result["ready_s"] = ready
+    return result
+
+
+def _event_details(event: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "phase", "model"))
+
+
+def format_reloads(r: dict) -> str:
+    lines = [f"{r['concurrency']} streaming requests to \"bench\" in flight throughout "
+             f"(max_tokens {r['max_tokens']}, ignore_eos)"]
+    for reload in r["reloads"]:
+        lines.append(f"reload {reload['reload']}: {reload['change']} "
+                     f"({reload['in_flight']} requests in flight): answered in "
+                     f"{reload['answered_s']:.2f} s, serving {reload['models']}")
+        lines.append(f"  {'t (s)':>8}  {'phase':<8}{'model':<20}details")
+        for event in reload["timeline"]:
+            lines.append(f"  {event['t']:>8.3f}  {event['phase']:<8}{event['model']:<20}"
+                         f"{_event_details(event)}")
+    lines.append("requests answered, by version (by when they were sent):")
+    for phase, counts in r["answered_by"].items():
+        shown = ", ".join(f"{v} {n}" for v, n in sorted(counts.items())) or "none"
+        lines.append(f"  {phase:<18}{shown}")
+    lines.append(f"requests: {r['requests']}, completed {r['completed']}, "
+                 f"failed {r['failed']}" + (f"  {r['errors']}" if r["errors"] else ""))
+    if r["freed_t_s"] is not None:
+        lines.append(f"{r['removed']} freed {r['freed_after_drain_s']:.2f} s after its drain "
+                     f"began ({r['removed_in_flight']} requests in flight then; t="
+                     f"{r['freed_t_s']:.3f} s since reload 3 began, "
+                     f"{r['freed_after_answer_s']:.2f} s after reload 3 answered)")
+    else:
+        lines.append(f"{r['removed']} was not freed")
+    lines.append(f"/v1/models now lists: {r['models_listed']}")
+    return "\n".join(lines)
+
+
+# ---- both ------------------------------------------------------------------------------
+def run_benchmark(model: str | None = None, requests: int = 20, flood_concurrency: int = 64,
+                  flood_max_tokens: int = 128, reload_concurrency: int = 32,
+                  say: Callable[[str], None] = print) -> dict:
+    """Both measurements; the returned dict is what `--json` writes."""
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    model = str(Path(model or DEFAULT_MODEL_DIR).resolve())
+    started = time.perf_counter()
+    isolation = measure_isolation(model, requests, flood_concurrency, flood_max_tokens, say)
+    reloads = measure_reloads(model, reload_concurrency, say)
+    return {"model": model, "isolation": isolation, "reload": reloads,
+            "failed": isolation["failed"] + reloads["failed"],
+            "duration_s": time.perf_counter() - started}
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    summary = run_benchmark(args.model, args.requests, args.flood_concurrency,
+                            args.flood_max_tokens, args.reload_concurrency, say)
+    print()
+    print("== isolation: quiet model's time to first token while another model is flooded")
+    print(format_isolation(summary["isolation"]))
+    print()
+    print("== reload timeline (POST /admin/reload under load)")
+    print(format_reloads(summary["reload"]))
+    print()
+    print(f"total: {summary['duration_s']:.1f} s, failed requests: {summary['failed']}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(summary, out, indent=2)
+    return 0 if summary["failed"] == 0 else 1
