@@ -2,26 +2,29 @@
 the way a user runs it: a models file, default engine options, real HTTP clients against a
 server on 127.0.0.1 (uvicorn on a thread of this process).
 
-1. Isolation. A models file serves the model twice, as "busy" and "quiet" (same folder,
-   two engines on the same device, which take round-robin turns of engine steps). The quiet
-   model's time to first token (`--requests` sequential streaming completions of a short
-   prompt, `max_tokens` 8) is measured with the busy model idle, then while the busy model
-   is flooded (`--flood-concurrency` streaming completions of `--flood-max-tokens` tokens,
-   eos ignored, each replaced as soon as it finishes, for the whole measurement). Printed:
-   quiet TTFT p50/p90 alone and under flood, their ratio (the target: p50 under flood within
-   3x of alone), and the busy model's output tokens/s during the flood.
-2. Reload timeline. A models file with one name, "bench", version 1. While
-   `--reload-concurrency` streaming requests to "bench" run (each replaced as it finishes),
-   the file is rewritten and `POST /admin/reload` applied three times: add version 2 (weight
-   50); set version 1's weight to 0; remove version 1. Printed: each reload's timeline
-   (load, loaded with weights_s and warm_up_s, switch, drain, freed; t in seconds since the
-   reload began), the requests answered by each version between reloads, the failed
-   requests (there must be none) and how long the removed version took to be freed.
+The models file serves one model folder (`--model`, default the shipped model) twice, as
+"busy" and "quiet": two engines on the same device, which take round-robin turns of engine
+steps (`jaxserve.fleet.device_turns`).
+
+1. Isolation. The quiet model's time to first token (`--requests` sequential streaming
+   completions of a short prompt, 8 tokens) is measured with the busy model idle, then
+   while the busy model is flooded (`--flood-concurrency` streaming completions of
+   `--flood-max-tokens` tokens, eos ignored, each replaced as soon as it finishes, for the
+   whole measurement). Printed: quiet TTFT p50/p90 alone and under flood, their ratio (the
+   target: p50 under flood within 3x of alone), and the busy model's output tokens/s during
+   the flood.
+2. Reload timeline. While `--reload-concurrency` streaming requests to "quiet" run (each
+   replaced as it finishes), the file is rewritten and `POST /admin/reload` applied three
+   times: add quiet version 2 (weight 50); set version 1's weight to 0; remove version 1.
+   Printed: each reload's timeline (load, loaded with weights_s and warm_up_s, switch,
+   drain, freed; t in seconds since that reload began), the requests each version answered
+   between reloads, the failed requests (there must be none) and how long the removed
+   version took to be freed.
 
 The busy throughput counts the tokens streamed during the measurement: a request's tokens
-are spread over its streamed chunks in proportion to their text, using the tokens per
+are spread over its streamed chunks in proportion to their text, at the tokens per
 character of the flood requests that finished (their `usage`); the requests still running
-when the measurement ends are cancelled (they do not count as failures).
+when the measurement ends are cancelled (not counted as failures).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -284,7 +287,7 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
     quiet = server.state.fleet.table.pinned["quiet@1"]
     devices = {"busy@1": list(busy.device_ids), "quiet@1": list(quiet.device_ids)}
     async with _client(server.url, flood_concurrency) as client:
-        # first requests outside the timing (both engines, both request shapes)
+        # first requests outside the timing (both engines)
         await _quiet_requests(client, 2, 10_000)
         await _stream(client, {"model": "busy", "prompt": "Warm-up: once upon a time",
                                "max_tokens": 16, "ignore_eos": True}, _Result())
@@ -329,31 +332,14 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
         "ttft_ratio": ratio,
         "target_ratio": TTFT_TARGET_RATIO,
         "meets_target": ratio["p50"] is not None and ratio["p50"] <= TTFT_TARGET_RATIO,
-        "busy_streaming_at_start": running, "busy_streaming_at_end": streaming_at_end,
+        "busy_streaming_at_start": running,
+        "busy_streaming_at_end": streaming_at_end,
         "busy_throughput": {**throughput, "completed": len(flood.completed),
                             "cancelled": sum(r.cancelled for r in flood.results)},
         "quiet_answered_by_other_version": len(wrong),
         "failed": len(failed),
         "errors": _errors(failed),
     }
-
-
-def measure_isolation(model: str, requests: int = 20, flood_concurrency: int = 64,
-                      flood_max_tokens: int = 128, say: Callable[[str], None] = print) -> dict:
-    """Quiet TTFT alone and while the busy model (same folder, same device) is flooded."""
-    with tempfile.TemporaryDirectory(prefix="jaxserve-bench-models-") as folder:
-        models_file = Path(folder) / "models.toml"
-        _write_models(models_file, [{"name": "busy", "path": model},
-                                    {"name": "quiet", "path": model}])
-        say(f"isolation: {models_file.name} serves {model} as \"busy\" and \"quiet\"; "
-            "loading and warming up both...")
-        with _serving(models_file) as server:
-            ready = server.start()
-            say(f"  ready in {ready:.1f} s")
-            result = asyncio.run(_isolation(server, requests, flood_concurrency,
-                                            flood_max_tokens, say))
-    result["ready_s"] = ready
-    return result
 
 
 def format_isolation(r: dict) -> str:
@@ -364,20 +350,22 @@ def format_isolation(r: dict) -> str:
         return f"{value:.2f}x" if value is not None else "-"
 
     a, f, ratio = r["quiet_ttft_alone_s"], r["quiet_ttft_flooded_s"], r["ttft_ratio"]
-    verdict = "meets" if r["meets_target"] else "MISSES"
+    flood = f"busy flooded ({r['flood_concurrency']} in flight, max_tokens " \
+            f"{r['flood_max_tokens']})"
     thr = r["busy_throughput"]
     lines = [
         f"devices: busy@1 {r['devices']['busy@1']}, quiet@1 {r['devices']['quiet@1']}",
-        f"quiet TTFT ({r['requests']} sequential requests, max_tokens "
-        f"{r['quiet_max_tokens']})       p50 (ms)  p90 (ms)",
-        f"  {'alone (busy idle)':<44}{ms(a['p50'])} {ms(a['p90'])}",
-        f"  {'busy flooded (' + str(r['flood_concurrency']) + ' in flight, max_tokens ' + str(r['flood_max_tokens']) + ')':<44}"
-        f"{ms(f['p50'])} {ms(f['p90'])}",
-        f"  {'ratio flooded / alone':<44}{times(ratio['p50']):>9} {times(ratio['p90']):>9}",
-        f"target: p50 under flood within {r['target_ratio']:.0f}x of alone: {verdict} it",
-        f"busy throughput during the flood: {thr['output_tokens_per_s']:.1f} output tokens/s "
-        f"({thr['output_tokens']} tokens in {thr['seconds']:.1f} s; {thr['completed']} "
-        f"requests completed, {thr['cancelled']} cancelled at the end)",
+        (f"quiet TTFT, {r['requests']} sequential requests (max_tokens "
+         f"{r['quiet_max_tokens']}):"),
+        f"  {'':<46}{'p50 (ms)':>9} {'p90 (ms)':>9}",
+        f"  {'alone (busy idle)':<46}{ms(a['p50'])} {ms(a['p90'])}",
+        f"  {flood:<46}{ms(f['p50'])} {ms(f['p90'])}",
+        f"  {'ratio flooded / alone':<46}{times(ratio['p50']):>9} {times(ratio['p90']):>9}",
+        f"target, p50 under flood within {r['target_ratio']:.0f}x of alone: "
+        + ("met" if r["meets_target"] else "NOT met"),
+        (f"busy throughput during the flood: {thr['output_tokens_per_s']:.1f} output "
+         f"tokens/s ({thr['output_tokens']} tokens in {thr['seconds']:.1f} s; "
+         f"{thr['completed']} requests completed, {thr['cancelled']} cancelled at the end)"),
         f"failed requests: {r['failed']}" + (f"  {r['errors']}" if r["errors"] else ""),
     ]
     if r["quiet_answered_by_other_version"]:
@@ -387,43 +375,48 @@ def format_isolation(r: dict) -> str:
 
 
 # ---- 2. reloads ------------------------------------------------------------------------
-RELOADS = [
-    ("add bench@2 (weight 50)",
-     [{"name": "bench", "version": "1", "path": None},
-      {"name": "bench", "version": "2", "path": None, "weight": 50}]),
-    ("set bench@1's weight to 0",
-     [{"name": "bench", "version": "1", "path": None, "weight": 0},
-      {"name": "bench", "version": "2", "path": None, "weight": 50}]),
-    ("remove bench@1",
-     [{"name": "bench", "version": "2", "path": None, "weight": 50}]),
-]
 RELOAD_MAX_TOKENS = 64
 
 
-def _entries(template: list[dict], model: str) -> list[dict]:
-    return [{**entry, "path": model} for entry in template]
+def _models(model: str, quiet_versions: list[dict], options: dict) -> list[dict]:
+    """The models file: "busy" version 1, and "quiet" in the versions given (every entry
+    with the engine `options`, none by default)."""
+    return [{"name": "busy", "path": model, **options}] + [
+        {"name": "quiet", "path": model, **version, **options} for version in quiet_versions]
 
 
-async def _reloads(server: _Server, models_file: Path, model: str, concurrency: int,
-                   say: Callable[[str], None]) -> dict:
+RELOADS = [  # (what changes, quiet's versions after it)
+    ("add quiet@2 (weight 50)", [{"version": "1"}, {"version": "2", "weight": 50}]),
+    ("set quiet@1's weight to 0",
+     [{"version": "1", "weight": 0}, {"version": "2", "weight": 50}]),
+    ("remove quiet@1", [{"version": "2", "weight": 50}]),
+]
+
+
+async def _reloads(server: _Server, models_file: Path, model: str, options: dict,
+                   concurrency: int, say: Callable[[str], None]) -> dict:
     state = server.state
-    v1 = state.fleet.table.pinned["bench@1"]
+    v1 = state.fleet.table.pinned["quiet@1"]
 
     def body(i: int) -> dict:
-        return {"model": "bench", "prompt": f"Request {i}: it was a fine morning when",
+        return {"model": "quiet", "prompt": f"Request {i}: it was a fine morning when",
                 "max_tokens": RELOAD_MAX_TOKENS, "ignore_eos": True, "temperature": 0.8,
                 "seed": i}
 
     reloads = []
     async with _client(server.url, concurrency) as client:
-        await _stream(client, body(-1), _Result())  # first request outside the timing
         load = _Load(client, concurrency, body)
         await load.wait_streaming(min(concurrency, v1.llm.engine_config.max_num_seqs))
-        say(f"  {load.streaming} streaming requests to \"bench\" in flight")
-        for number, (what, template) in enumerate(RELOADS, 1):
-            _write_models(models_file, _entries(template, model))
+        for number, (change, versions) in enumerate(RELOADS, 1):
+            if number > 1:  # let requests flow under the new split first (fewer before
+                # the removal, so that the removed version still has requests in flight)
+                wanted = len(load.results) + (concurrency if number == 2
+                                              else max(1, concurrency // 4))
+                while len(load.results) < wanted:
+                    await asyncio.sleep(0.05)
+            _write_models(models_file, _models(model, versions, options))
             in_flight = len(load.in_flight)
-            say(f"  reload {number}: {what} ({in_flight} requests in flight)...")
+            say(f"  reload {number}: {change} ({in_flight} requests in flight)...")
             sent = time.perf_counter()
             response = await client.post("/admin/reload", timeout=REQUEST_TIMEOUT)
             answered = time.perf_counter()
@@ -431,24 +424,23 @@ async def _reloads(server: _Server, models_file: Path, model: str, concurrency: 
             if response.status_code != 200:
                 raise RuntimeError(f"reload {number} answered HTTP {response.status_code}: "
                                    f"{reply}")
-            reloads.append({"reload": number, "change": what, "answered_s": answered - sent,
+            reloads.append({"reload": number, "change": change, "answered_s": answered - sent,
                             "answered_at": answered, "in_flight": in_flight,
                             "models": reply["models"], "timeline": reply["timeline"]})
         # the removed version drains and is freed on a background thread
-        await asyncio.to_thread(state.fleet.wait_drained, 600)
+        await asyncio.to_thread(state.fleet.wait_drained, REQUEST_TIMEOUT)
         freed_wall = time.perf_counter() - reloads[-1]["answered_at"]
-        reloads[-1]["timeline"] = list(state.fleet.timeline)
+        reloads[-1]["timeline"] = list(state.fleet.timeline)  # now with "freed"
         listed = [card["id"] for card in (await client.get("/v1/models")).json()["data"]]
         await load.stop(cancel=False)  # every request runs to its end: none may fail
 
     # which version answered, by when the request was sent (before each reload answered)
     bounds = [r["answered_at"] for r in reloads]
     labels = ["before reload 1"] + [f"after reload {r['reload']}" for r in reloads]
-    by_phase = {label: {} for label in labels}
+    by_phase: dict[str, dict[str, int]] = {label: {} for label in labels}
     for result in load.results:
-        phase = labels[int(np.searchsorted(bounds, result.start))]
-        by_phase[phase][result.version or "none"] = by_phase[phase].get(
-            result.version or "none", 0) + 1
+        counts = by_phase[labels[int(np.searchsorted(bounds, result.start))]]
+        counts[result.version or "none"] = counts.get(result.version or "none", 0) + 1
     last = reloads[-1]["timeline"]
     drain = next((e for e in last if e["phase"] == "drain"), None)
     freed = next((e for e in last if e["phase"] == "freed"), None)
@@ -463,28 +455,13 @@ async def _reloads(server: _Server, models_file: Path, model: str, concurrency: 
         "failed": len(load.failed),
         "errors": _errors(load.failed),
         "answered_by": by_phase,
-        "removed": "bench@1",
+        "removed": "quiet@1",
         "removed_in_flight": drain.get("in_flight") if drain else None,
         "freed_t_s": freed["t"] if freed else None,  # since reload 3 began
-        "freed_after_drain_s": (freed["t"] - drain["t"]) if freed and drain else None,
-        "freed_after_answer_s": freed_wall,  # wall clock: reload 3's answer to freed
+        "freed_after_drain_s": round(freed["t"] - drain["t"], 3) if freed and drain else None,
+        "freed_after_answer_s": freed_wall,  # wall clock, reload 3's answer to freed
         "models_listed": listed,
     }
-
-
-def measure_reloads(model: str, concurrency: int = 32,
-                    say: Callable[[str], None] = print) -> dict:
-    """Three reloads under load (add a version, weight 0, remove it), with their timelines."""
-    with tempfile.TemporaryDirectory(prefix="jaxserve-bench-models-") as folder:
-        models_file = Path(folder) / "models.toml"
-        _write_models(models_file, [{"name": "bench", "version": "1", "path": model}])
-        say(f"reloads: {models_file.name} serves {model} as \"bench\" version 1; loading...")
-        with _serving(models_file) as server:
-            ready = server.start()
-            say(f"  ready in {ready:.1f} s")
-            result = asyncio.run(_reloads(server, models_file, model, concurrency, say))
-    result["ready_s"] = ready
-    return result
 
 
 def _event_details(event: dict) -> str:
@@ -492,17 +469,17 @@ def _event_details(event: dict) -> str:
 
 
 def format_reloads(r: dict) -> str:
-    lines = [f"{r['concurrency']} streaming requests to \"bench\" in flight throughout "
-             f"(max_tokens {r['max_tokens']}, ignore_eos)"]
+    lines = [(f"{r['concurrency']} streaming requests to \"quiet\" in flight throughout "
+              f"(max_tokens {r['max_tokens']}, ignore_eos)")]
     for reload in r["reloads"]:
         lines.append(f"reload {reload['reload']}: {reload['change']} "
                      f"({reload['in_flight']} requests in flight): answered in "
-                     f"{reload['answered_s']:.2f} s, serving {reload['models']}")
-        lines.append(f"  {'t (s)':>8}  {'phase':<8}{'model':<20}details")
+                     f"{reload['answered_s']:.2f} s; serving {', '.join(reload['models'])}")
+        lines.append(f"  {'t (s)':>8}  {'phase':<8}{'model':<28}details")
         for event in reload["timeline"]:
-            lines.append(f"  {event['t']:>8.3f}  {event['phase']:<8}{event['model']:<20}"
-                         f"{_event_details(event)}")
-    lines.append("requests answered, by version (by when they were sent):")
+            lines.append(f"  {event['t']:>8.3f}  {event['phase']:<8}{event['model']:<28}"
+                         f"{_event_details(event)}".rstrip())
+    lines.append("requests answered, by version (grouped by when they were sent):")
     for phase, counts in r["answered_by"].items():
         shown = ", ".join(f"{v} {n}" for v, n in sorted(counts.items())) or "none"
         lines.append(f"  {phase:<18}{shown}")
@@ -510,28 +487,45 @@ def format_reloads(r: dict) -> str:
                  f"failed {r['failed']}" + (f"  {r['errors']}" if r["errors"] else ""))
     if r["freed_t_s"] is not None:
         lines.append(f"{r['removed']} freed {r['freed_after_drain_s']:.2f} s after its drain "
-                     f"began ({r['removed_in_flight']} requests in flight then; t="
-                     f"{r['freed_t_s']:.3f} s since reload 3 began, "
-                     f"{r['freed_after_answer_s']:.2f} s after reload 3 answered)")
+                     f"began with {r['removed_in_flight']} requests in flight (t="
+                     f"{r['freed_t_s']:.3f} s in reload 3; {r['freed_after_answer_s']:.2f} s "
+                     f"after reload 3 answered)")
     else:
         lines.append(f"{r['removed']} was not freed")
-    lines.append(f"/v1/models now lists: {r['models_listed']}")
+    lines.append(f"/v1/models now lists: {', '.join(r['models_listed'])}")
     return "\n".join(lines)
 
 
 # ---- both ------------------------------------------------------------------------------
 def run_benchmark(model: str | None = None, requests: int = 20, flood_concurrency: int = 64,
                   flood_max_tokens: int = 128, reload_concurrency: int = 32,
-                  say: Callable[[str], None] = print) -> dict:
-    """Both measurements; the returned dict is what `--json` writes."""
+                  say: Callable[[str], None] = print,
+                  engine_options: dict | None = None) -> dict:
+    """Both measurements on one server; the returned dict is what `--json` writes.
+    `engine_options`: for every entry of the models file (none by default, as a user runs
+    it; tests give smaller bucket ladders so that warm-up is short)."""
+    options = dict(engine_options or {})
     from jaxserve.default_model import DEFAULT_MODEL_DIR
 
     model = str(Path(model or DEFAULT_MODEL_DIR).resolve())
     started = time.perf_counter()
-    isolation = measure_isolation(model, requests, flood_concurrency, flood_max_tokens, say)
-    reloads = measure_reloads(model, reload_concurrency, say)
-    return {"model": model, "isolation": isolation, "reload": reloads,
-            "failed": isolation["failed"] + reloads["failed"],
+    with tempfile.TemporaryDirectory(prefix="jaxserve-bench-models-") as folder:
+        models_file = Path(folder) / "models.toml"
+        _write_models(models_file, _models(model, [{"version": "1"}], options))
+        say(f"models file: {model} as \"busy\" and \"quiet\"; loading and warming up "
+            "both (default engine options)...")
+        with _serving(models_file) as server:
+            ready = server.start()
+            say(f"  ready in {ready:.1f} s")
+            say("isolation: quiet's time to first token, alone and while busy is flooded")
+            isolation = asyncio.run(_isolation(server, requests, flood_concurrency,
+                                               flood_max_tokens, say))
+            say(f"reloads: {reload_concurrency} streaming requests to \"quiet\" in flight "
+                "while the models file changes")
+            reload = asyncio.run(_reloads(server, models_file, model, options,
+                                          reload_concurrency, say))
+    return {"model": model, "engine_options": options, "ready_s": ready, "isolation": isolation, "reload": reload,
+            "failed": isolation["failed"] + reload["failed"],
             "duration_s": time.perf_counter() - started}
 
 
@@ -545,10 +539,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     print("== isolation: quiet model's time to first token while another model is flooded")
     print(format_isolation(summary["isolation"]))
     print()
-    print("== reload timeline (POST /admin/reload under load)")
+    print("== reload timeline (POST /admin/reload while requests stream)")
     print(format_reloads(summary["reload"]))
     print()
-    print(f"total: {summary['duration_s']:.1f} s, failed requests: {summary['failed']}")
+    print(f"total {summary['duration_s']:.1f} s (loading {summary['ready_s']:.1f} s); "
+          f"failed requests: {summary['failed']}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(summary, out, indent=2)

@@ -22,18 +22,19 @@ from jaxserve.server.state import ServerOptions, ServerState
 from server_helpers import ThreadedServer, wait_until
 from tiny_models import SMALL_ENGINE
 
-TINY_OPTIONS = "\n".join(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}"
-                         for key, value in SMALL_ENGINE.items())
+# small ladders (6 programs) keep each version's load and warm-up short
+SMALL_OPTIONS = "\n".join(f"{key} = {json.dumps(list(v) if isinstance(v, tuple) else v)}"
+                          for key, v in SMALL_ENGINE.items())
 
 
 def models_toml(versions: list[tuple[str, int]], tiny: Path, fallback: str = "tiny") -> str:
     """The shipped model as `shipped` at (version, weight)s, its last version falling back to
     `fallback`, and the tiny model as `tiny`."""
     blocks = [f'[[models]]\nname = "shipped"\nversion = "{v}"\npath = "{DEFAULT_MODEL_DIR}"\n'
-              f'weight = {w}\n' for v, w in versions]
+              f'weight = {w}\n{SMALL_OPTIONS}\n' for v, w in versions]
     blocks[-1] += f'fallback = "{fallback}"\n'
     blocks.append(f'[[models]]\nname = "tiny"\npath = "{tiny}"\ndtype = "float32"\n'
-                  f'{TINY_OPTIONS}\n')
+                  f'{SMALL_OPTIONS}\n')
     return "\n".join(blocks)
 
 
@@ -163,6 +164,7 @@ def live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
 
+@pytest.mark.slow  # about 4 minutes on 2 cores: a version loads and warms up under load
 def test_reloads_under_load_lose_no_request_and_free_the_old_version(server):
     """32 streams on `shipped` while a reload adds version 3 (weight 50), the next sets
     version 1's weight to 0, and the last removes it."""
@@ -176,7 +178,7 @@ def test_reloads_under_load_lose_no_request_and_free_the_old_version(server):
     def client():
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
-                body = {"model": "shipped", "prompt": "It is a truth", "max_tokens": 24,
+                body = {"model": "shipped", "prompt": "It is a truth", "max_tokens": 16,
                         "ignore_eos": True, "stream": True}
                 with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
                     events = [line for line in r.iter_lines() if line.startswith("data: ")]
