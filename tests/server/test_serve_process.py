@@ -149,3 +149,53 @@ def test_a_model_that_fails_to_load_exits_non_zero(tmp_path):
         assert "jaxserve: error: model failed to load" in log
     finally:
         stop(process)
+
+
+def shipped_entry(version: str, preset: Path) -> str:
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    return (f'[[models]]\nname = "shipped"\nversion = "{version}"\n'
+            f'path = "{DEFAULT_MODEL_DIR}"\nconfig = "{preset}"\n')
+
+
+@pytest.mark.parametrize("extra, entries, message", [
+    ([], '[[models]]\nname = "a"\npath = "{missing}"\n', "a@1: model '"),
+    ([], '[[models]]\nname = "a"\npath = "{missing}"\nfallback = "b"\n',
+     "fallback 'b' is not a model name"),
+    (["--max-num-seqs", "4"], '[[models]]\nname = "a"\npath = "{missing}"\n',
+     "drop ['--max-num-seqs']"),
+], ids=["missing-folder", "unknown-fallback", "flag-with-file"])
+def test_a_models_file_that_cannot_work_exits_2_before_serving(tmp_path, extra, entries,
+                                                               message):
+    models = tmp_path / "models.toml"
+    models.write_text(entries.format(missing=tmp_path / "missing"))
+    process = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--port",
+                              str(free_port()), "--models", str(models), *extra],
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2, process.stderr
+    assert message in process.stderr and "Uvicorn running" not in process.stderr
+
+
+@pytest.mark.slow  # two loads of the shipped model in a fresh process
+def test_sighup_reloads_the_models_file(tmp_path):
+    (tmp_path / "preset.toml").write_text(PRESET)
+    models = tmp_path / "models.toml"
+    models.write_text(shipped_entry("1", tmp_path / "preset.toml"))
+    process, url = start_server("--models", str(models))
+    try:
+        def ids():
+            return [card["id"] for card in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert ids() == ["shipped", "shipped@1"]
+        models.write_text(shipped_entry("2", tmp_path / "preset.toml"))
+        process.send_signal(signal.SIGHUP)
+        wait_until(lambda: ids() == ["shipped", "shipped@2"], 300, "SIGHUP did not reload",
+                   interval=0.5)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "shipped", "prompt": "It is", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["model"] == "shipped@2"
+        models.write_text("[[models]]\n")  # a bad file: logged, the old models serve on
+        process.send_signal(signal.SIGHUP)
+        wait_until(lambda: process.poll() is None and ids() == ["shipped", "shipped@2"], 10,
+                   "a bad reload changed the served models")
+    finally:
+        stop(process)
