@@ -84,6 +84,7 @@ class ModelFleet:
                                           self._engine_failed)
             except Exception as err:
                 for done in loaded.values():
+                    self.metrics.detach(done.llm.engine, self.public_id(done))
                     done.close()
                 raise ReloadError(f"{entry.pinned_id} failed to load: {err}") from err
             self.metrics.attach(served.llm.engine, self.public_id(served))
@@ -125,7 +126,7 @@ class ModelFleet:
 
         def drain():
             served.drain_and_close()
-            self.metrics.detach(self.public_id(served))
+            self.metrics.detach(served.llm.engine, self.public_id(served))
             self._mark(since, "freed", served.pinned_id)
 
         thread = threading.Thread(target=drain, name=f"jaxserve-drain-{served.pinned_id}",

@@ -24,11 +24,11 @@ range, a name whose weights are all 0.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from jaxserve.engine.config import EngineConfig
+from jaxserve.presets import read_toml
 
 ENGINE_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # entry fields that are not engine options (`devices` is both: it goes to the engine)
@@ -69,12 +69,7 @@ def read_models_file(path: str | Path, num_devices: int | None = None) -> list[M
     """The entries of the models file at `path`, checked (`ValueError` naming the problem).
     `num_devices`: how many local devices `devices` may index (None: not checked)."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"models file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"models file {path.name}: invalid TOML: {err}") from None
+    data = read_toml(path, "models file")
     return parse_models(data, path.name, path.resolve().parent, num_devices)
 
 
@@ -207,7 +202,7 @@ def _check_devices(devices: Any, where: str, num_devices: int | None) -> None:
         raise ValueError(f"{where} must be a non-empty list of device indices")
     if len(set(devices)) != len(devices):
         raise ValueError(f"{where} lists a device twice: {list(devices)}")
-    limit = num_devices if num_devices is not None else None
+    limit = num_devices
     bad = [d for d in devices if d < 0 or (limit is not None and d >= limit)]
     if bad:
         count = f"this host has {limit} device(s), 0 to {limit - 1}" if limit else "negative"

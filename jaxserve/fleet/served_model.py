@@ -89,11 +89,12 @@ class ServedModel:
         self.engine.retire()
 
     def drain_and_close(self, timeout: float | None = None) -> bool:
-        """Wait until no request is in flight (at most `timeout` seconds), then stop the
-        engine thread and free the device memory. False if requests were still in flight
-        at the timeout (they are aborted by the close)."""
+        """Wait until no request is in flight (at most `timeout` seconds; not at all once
+        the engine failed: its requests were answered with errors), then stop the engine
+        thread and free the device memory. False if requests were still in flight."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.engine.num_in_flight and (deadline is None or time.monotonic() < deadline):
+        while (self.engine.num_in_flight and self.failure is None
+               and (deadline is None or time.monotonic() < deadline)):
             time.sleep(0.02)
         drained = self.engine.num_in_flight == 0
         self.close()

@@ -94,15 +94,21 @@ def reference_model_dir(name_or_path: str) -> Path:
     return shipped if (shipped / "config.json").is_file() else Path(name_or_path)
 
 
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The parsed TOML file at `path`; `ValueError` calling it `what` when it is missing or
+    not TOML."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what} {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{what} {path.name}: invalid TOML: {err}") from None
+
+
 def load_preset(path: str | Path) -> Preset:
     """Read and validate one preset file."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"config file {path.name}: invalid TOML: {err}") from None
+    data = read_toml(path, "config file")
     values: dict[str, Any] = {}
     for section, fields in data.items():
         if section not in SCHEMA:

@@ -110,9 +110,11 @@ class PrometheusMetrics:
         self._engines[model_name] = engine
         engine.metrics.add_listener(functools.partial(self.observe, model_name))
 
-    def detach(self, model_name: str) -> None:
-        """Stop reading the scrape-time state of a removed engine."""
-        self._engines.pop(model_name, None)
+    def detach(self, engine: Engine, model_name: str) -> None:
+        """Stop reading the scrape-time state of a removed engine (unless a new engine took
+        its name since: a replaced version keeps its pinned id)."""
+        if self._engines.get(model_name) is engine:
+            del self._engines[model_name]
 
     def count_route(self, model_name: str, version: str, reason: str) -> None:
         self.routed.labels(model_name, version, reason).inc()

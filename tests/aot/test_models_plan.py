@@ -15,12 +15,8 @@ from jaxserve.aot.models_plan import (device_usage, format_models_plan, plan_mod
                                       resolve_entries, run_models_plan)
 from jaxserve.aot.targets import TPU_KINDS
 from jaxserve.presets import CPU_PRESET
+from test_plan import TINY  # the same config-only model as the single-preset plans
 
-# A small Llama whose head_dim (128) the kernels take; only config.json, no weights.
-TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024,
-            hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-            max_position_embeddings=1024, rms_norm_eps=1e-5, torch_dtype="bfloat16")
 # The smallest ladders: one step and one decode program per engine.
 PRESET = """
 [hardware]
