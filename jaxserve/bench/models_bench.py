@@ -447,7 +447,7 @@ async def _reloads(server: _Server, models_file: Path, model: str, options: dict
         # the removed version drains and is freed on a background thread
         await asyncio.to_thread(state.fleet.wait_drained, REQUEST_TIMEOUT)
         freed_wall = time.perf_counter() - reloads[-1]["answered_at"]
-        reloads[-1]["timeline"] = list(state.fleet.timeline)  # now with "freed"
+        reloads[-1]["timeline"] = list(state.fleet.timeline.events)  # now with "freed"
         listed = [card["id"] for card in (await client.get("/v1/models")).json()["data"]]
         await load.stop(cancel=False)  # every request runs to its end: none may fail
 

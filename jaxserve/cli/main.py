@@ -6,6 +6,7 @@
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
     jaxserve bench offline [--model PATH]
     jaxserve bench structured [--model PATH]
+    jaxserve bench models [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
     jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
     jaxserve plan --models models.toml
@@ -244,6 +245,12 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_models(args: argparse.Namespace) -> int:
+    from jaxserve.bench.models_bench import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench_structured(args: argparse.Namespace) -> int:
     from jaxserve.bench.structured_bench import run_from_args
 
@@ -316,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import offline_bench, serve_bench, structured_bench
+    from jaxserve.bench import models_bench, offline_bench, serve_bench, structured_bench
 
     bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
     serve_bench.add_arguments(bench_serve)
@@ -329,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         "structured", help="structured output's cost: free vs constrained requests")
     structured_bench.add_arguments(bench_structured)
     bench_structured.set_defaults(handler=_bench_structured)
+    bench_models = bench_kinds.add_parser(
+        "models", help="several models in one server: a quiet model's TTFT while another is "
+                       "flooded, and the timeline of reloads under load")
+    models_bench.add_arguments(bench_models)
+    bench_models.set_defaults(handler=_bench_models)
     return parser
 
 

@@ -285,6 +285,21 @@ class Engine:
                 self._recover(replica, err, deltas, previous, flight)
         return deltas
 
+    def read_in_flight(self) -> list[StreamDelta]:
+        """Read the steps `step()` left in flight now, rather than at the next `step()`: for
+        an engine that gives its shared device to another engine's step next (the overlap
+        of host and device then comes from the other engine)."""
+        deltas: list[StreamDelta] = []
+        for replica in self.replicas:
+            flight, replica.in_flight = replica.in_flight, None
+            if flight is None:
+                continue
+            try:
+                self._complete(replica, flight, deltas)
+            except Exception as err:  # noqa: BLE001 - fails that step's requests only
+                self._recover(replica, err, deltas, flight)
+        return deltas
+
     def _recover(self, replica: Replica, err: Exception, deltas: list[StreamDelta],
                  *flights: InFlight | None) -> None:
         """A step of `replica` raised: the requests of the steps it had under way (and the one

@@ -10,9 +10,11 @@ Why steps rather than time slices: a step is the unit the device runs without in
 (one compiled program, or a decode loop), and its length is bounded by the engine's buckets;
 round-robin of steps gives each engine with work one step per turn, which is what keeps a
 quiet model's time to first token close to its value alone while another model is flooded.
-What a turn covers is the host's part of a step (dispatch and reading results): the device
-runs launched programs in the order they were dispatched, so alternating dispatches
-alternates the device's work.
+A turn covers a step's dispatch and the reading of its results: an engine alone leaves a
+step in flight and reads it at its next step (host and device overlap), but when another
+engine waits for the device it reads the step before giving the turn away
+(`Engine.read_in_flight`), so a request's first token does not wait for the other engine's
+step as well.
 
 Waiters are ordered by a ticket taken on all their devices at once, under one lock, so a
 waiter that is first on one shared device is first on every device it shares: no deadlock.
@@ -36,6 +38,11 @@ class DeviceTurns:
             collections.deque)
         self._busy: set[int] = set()
         self._tickets = itertools.count()
+
+    def contended(self, devices: Iterable[int]) -> bool:
+        """Whether another engine waits for one of `devices` (call while holding them)."""
+        with self._changed:
+            return any(self._queues[d] for d in devices)
 
     @contextlib.contextmanager
     def turn(self, devices: Iterable[int]) -> Iterator[None]:

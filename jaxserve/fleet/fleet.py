@@ -15,8 +15,9 @@ A reload (`SIGHUP` or `POST /admin/reload`) re-reads the file and never fails a 
 A version that only changed weight, fallback or queue limit keeps its engine. A version whose
 engine failed is loaded anew by a reload of the same file.
 
-`timeline` records each phase with its time since the reload began (load, warm-up, switch,
-drain, free), which `POST /admin/reload` returns and the log shows.
+A `Timeline` records each phase with its time since the reload began (load, loaded with the
+weights' and warm-up's seconds, switch, drain, freed), which `POST /admin/reload` returns and
+the log shows.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ModelFleet:
         self.on_unservable = on_unservable
         self.router = ModelRouter(seed)
         self.turns = DeviceTurns()
-        self.timeline: list[dict] = []  # the latest reload's phases, in order
+        self.timeline = Timeline()  # the latest reload's phases
         self._reload_lock = threading.Lock()
         self._drains: list[threading.Thread] = []
 
@@ -71,14 +72,15 @@ class ModelFleet:
     def start(self) -> None:
         """Load every entry of the file and publish them (raises if any fails to load)."""
         entries = self.read_entries()
-        loaded = self._load(entries, time.monotonic())
+        loaded = self._load(entries, Timeline())
         self.router.publish(RoutingTable([(loaded[e.pinned_id], e) for e in entries]))
 
-    def _load(self, entries: list[ModelEntry], since: float) -> dict[str, ServedModel]:
+    def _load(self, entries: list[ModelEntry], timeline: Timeline
+              ) -> dict[str, ServedModel]:
         """Load `entries` in order; on a failure release those loaded and raise."""
         loaded: dict[str, ServedModel] = {}
         for entry in entries:
-            self._mark(since, "load", entry.pinned_id)
+            timeline.mark("load", entry.pinned_id)
             try:
                 served = ServedModel.load(entry, self.build, self.max_waiting, self.turns,
                                           self._engine_failed)
@@ -88,8 +90,8 @@ class ModelFleet:
                     done.close()
                 raise ReloadError(f"{entry.pinned_id} failed to load: {err}") from err
             self.metrics.attach(served.llm.engine, self.public_id(served))
-            self._mark(since, "loaded", entry.pinned_id, weights_s=round(served.load_seconds, 2),
-                       warm_up_s=round(served.warm_up_seconds, 2))
+            timeline.mark("loaded", entry.pinned_id, weights_s=round(served.load_seconds, 2),
+                          warm_up_s=round(served.warm_up_seconds, 2))
             loaded[entry.pinned_id] = served
         return loaded
 
@@ -99,35 +101,35 @@ class ModelFleet:
         `ValueError`: the file is bad; `ReloadError`: a version did not load. Either way
         the previous configuration keeps serving."""
         with self._reload_lock:
-            since = time.monotonic()
-            self.timeline = []
+            timeline = self.timeline = Timeline()
             entries = self.read_entries()
             current = dict(self.table.pinned)
             kept = {e.pinned_id: current[e.pinned_id] for e in entries
                     if e.pinned_id in current and current[e.pinned_id].failure is None
                     and current[e.pinned_id].entry.engine_definition()
                     == e.engine_definition()}
-            loaded = self._load([e for e in entries if e.pinned_id not in kept], since)
+            loaded = self._load([e for e in entries if e.pinned_id not in kept], timeline)
             serving = {**kept, **loaded}
             self.router.publish(RoutingTable([(serving[e.pinned_id], e) for e in entries]))
             for entry in entries:
                 if entry.pinned_id in kept:
                     kept[entry.pinned_id].update(entry, self.max_waiting)
-            self._mark(since, "switch", ", ".join(e.pinned_id for e in entries))
+            timeline.mark("switch", ", ".join(e.pinned_id for e in entries))
             for old in current.values():
                 if serving.get(old.pinned_id) is not old:
-                    self._retire(old, since)
-            return list(self.timeline)
+                    self._retire(old, timeline)
+            return list(timeline.events)
 
-    def _retire(self, served: ServedModel, since: float) -> None:
-        """Stop routing to `served`; drain and free it on a background thread."""
+    def _retire(self, served: ServedModel, timeline: Timeline) -> None:
+        """Stop routing to `served`; drain and free it on a background thread (which adds
+        "freed" to the timeline of the reload that removed it)."""
         served.retire()
-        self._mark(since, "drain", served.pinned_id, in_flight=served.engine.num_in_flight)
+        timeline.mark("drain", served.pinned_id, in_flight=served.engine.num_in_flight)
 
         def drain():
             served.drain_and_close()
             self.metrics.detach(served.llm.engine, self.public_id(served))
-            self._mark(since, "freed", served.pinned_id)
+            timeline.mark("freed", served.pinned_id)
 
         thread = threading.Thread(target=drain, name=f"jaxserve-drain-{served.pinned_id}",
                                   daemon=True)
@@ -155,9 +157,18 @@ class ModelFleet:
             served.engine.stop()
             served.llm.engine.shutdown()
 
-    def _mark(self, since: float, phase: str, model: str, **details) -> None:
-        event = {"t": round(time.monotonic() - since, 3), "phase": phase, "model": model,
-                 **details}
-        self.timeline.append(event)
+
+
+class Timeline:
+    """The phases of one reload, each with its time since the reload began."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.events: list[dict] = []
+
+    def mark(self, phase: str, model: str, **details) -> None:
+        event = {"t": round(time.monotonic() - self.started, 3), "phase": phase,
+                 "model": model, **details}
+        self.events.append(event)
         log.info("models: %s %s %s", phase, model,
                  " ".join(f"{k}={v}" for k, v in {"t": event["t"], **details}.items()))

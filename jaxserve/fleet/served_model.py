@@ -34,7 +34,8 @@ class ServedModel:
         self.device_ids = tuple(d.id for d in llm.engine.mesh.devices.flat)
         self.engine = AsyncEngine(llm.engine, max_waiting,
                                   on_failure=lambda reason: on_failure(self, reason),
-                                  turn=lambda: turns.turn(self.device_ids))
+                                  turn=lambda: turns.turn(self.device_ids),
+                                  contended=lambda: turns.contended(self.device_ids))
         self.warm_up_seconds = sum(r.runner.warm_up_seconds for r in llm.engine.replicas)
         self.load_seconds = load_seconds - self.warm_up_seconds  # weights, before warm-up
         self.failure: str | None = None  # why its engine gave up

@@ -42,12 +42,14 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int,
                  on_step: Callable[[list[StreamDelta]], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
-                 turn: Callable[[], ContextManager] | None = None):
+                 turn: Callable[[], ContextManager] | None = None,
+                 contended: Callable[[], bool] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step  # called on the engine thread after every step
         self.on_failure = on_failure  # called once if the engine gives up, with the reason
         self.turn = turn or contextlib.nullcontext  # held around each step (shared devices)
+        self.contended = contended or (lambda: False)  # another engine waits for the turn
         self._retired = False  # submits refused from now on (the version is being removed)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sequences: dict[str, Sequence] = {}
@@ -87,6 +89,8 @@ class AsyncEngine:
             try:
                 with self.turn():
                     deltas = self.engine.step()  # a failed step fails only its own requests
+                    if self.contended():  # the next turn is another engine's: read ours now
+                        deltas += self.engine.read_in_flight()
             except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
                 log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
