@@ -246,3 +246,20 @@ def test_engines_sharing_a_device_alternate_steps():
     assert len(shared) > 40 and repeats <= 2, shared[:40]
     # the device-1 engine ran its own pace: more steps than either device-0 engine
     assert order.count("apart") > max(order.count("busy"), order.count("quiet"))
+
+
+def test_the_devices_option_places_an_engines_mesh():
+    """`devices` picks local devices for the mesh (conftest gives 8 host devices)."""
+    import jax
+
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.engine.engine import engine_mesh
+
+    mesh = engine_mesh(EngineConfig(devices=(3, 5), tensor_parallel_size=2))
+    assert [d.id for d in mesh.devices.flat] == [jax.local_devices()[i].id for i in (3, 5)]
+    with pytest.raises(ValueError, match=r"devices \[9\] are out of range"):
+        engine_mesh(EngineConfig(devices=(9,)))
+    with pytest.raises(ValueError, match="needs 2"):
+        EngineConfig(devices=(0,), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lists a device twice"):
+        EngineConfig(devices=(1, 1), tensor_parallel_size=2)
