@@ -39,7 +39,6 @@ class ServedModel:
         self.warm_up_seconds = sum(r.runner.warm_up_seconds for r in llm.engine.replicas)
         self.load_seconds = load_seconds - self.warm_up_seconds  # weights, before warm-up
         self.failure: str | None = None  # why its engine gave up
-        self.retired = False
         self._closed = threading.Event()
 
     @classmethod
@@ -73,10 +72,6 @@ class ServedModel:
     def model_dir(self) -> Path:
         return Path(self.entry.path)
 
-    @property
-    def healthy(self) -> bool:
-        return self.failure is None and not self.retired
-
     # ---- lifecycle ----------------------------------------------------------------------
     def update(self, entry: ModelEntry, max_waiting: int) -> None:
         """Take a reloaded entry that keeps this engine (same path, preset and options):
@@ -86,20 +81,15 @@ class ServedModel:
 
     def retire(self) -> None:
         """Take no new requests; the ones in flight finish."""
-        self.retired = True
         self.engine.retire()
 
-    def drain_and_close(self, timeout: float | None = None) -> bool:
-        """Wait until no request is in flight (at most `timeout` seconds; not at all once
-        the engine failed: its requests were answered with errors), then stop the engine
-        thread and free the device memory. False if requests were still in flight."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (self.engine.num_in_flight and self.failure is None
-               and (deadline is None or time.monotonic() < deadline)):
+    def drain_and_close(self) -> None:
+        """Wait until no request is in flight (not at all once the engine failed: its
+        requests were answered with errors), then stop the engine thread and free the
+        device memory."""
+        while self.engine.num_in_flight and self.failure is None:
             time.sleep(0.02)
-        drained = self.engine.num_in_flight == 0
         self.close()
-        return drained
 
     def close(self) -> None:
         """Stop the engine thread and delete the device buffers (idempotent)."""
