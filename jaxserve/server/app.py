@@ -4,7 +4,10 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: 
 server-sent events ending in `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
 `POST /detokenize`, `GET /tokenizer_info` (vLLM's), `GET /health` (503 until the
 models are loaded and warmed up; 500 once none can serve, while the process exits), `GET
-/metrics` (Prometheus), `POST /admin/reload` (re-read the models file, `jaxserve.fleet`).
+/metrics` (Prometheus), `POST /admin/reload` (re-read the models file, `jaxserve.fleet`),
+and for vLLM's router `GET /load`, `/get_load`, `/get_server_info`, `/get_model_info`
+(`jaxserve.server.router_routes`). Every response carries `X-Request-Id`: the client's, or
+one the server made (a completion's body `id`).
 
 Each request's `model` is routed by `jaxserve.fleet.routing` (a name's versions by weight, a
 pinned id `name@version` to its version); the `x-jaxserve-model-version` header names the
@@ -33,6 +36,7 @@ from jaxserve.fleet.served_model import ServedModel
 from jaxserve.server import handlers
 from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from jaxserve.server.router_routes import RequestIdMiddleware, add_router_routes
 from jaxserve.server.state import ServerState
 from jaxserve.server.tokenizer_routes import add_tokenizer_routes
 
@@ -62,6 +66,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.jaxserve = state
 
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 413 carries the id too
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -148,7 +153,8 @@ def create_app(state: ServerState) -> FastAPI:
                            error_type="server_error") from None
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
-    async def admit(served: ServedModel, body, build: Callable, answer_as: str):
+    async def admit(served: ServedModel, body, build: Callable, answer_as: str,
+                    request_id: str | None):
         """The job of `body` on `served` (its grammar compiled off the event loop first)."""
         structured = body.structured()
         if structured is not None:  # compiled off the event loop; the job finds it cached
@@ -158,17 +164,18 @@ def create_app(state: ServerState) -> FastAPI:
             except InvalidRequestError as err:
                 err.field = body.structured_field()  # the name the client sent
                 raise
-        return build(served, body, answer_as)
+        return build(served, body, answer_as, request_id)
 
     async def run(request: Request, body, build: Callable):
         chosen, tried = route(body.model), set()
+        given_id = request.state.request_id if request.state.request_id_given else None
         while True:
             served = chosen.served
             tried.add(served.pinned_id)
             answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
                          else body.model or served.entry.name)
             try:
-                job = await admit(served, body, build, answer_as)
+                job = await admit(served, body, build, answer_as, given_id)
                 break
             except RetiredError:  # removed by a reload a moment ago: the new table decides
                 chosen = route(body.model)
@@ -181,6 +188,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, str(err), getattr(err, "field", None)) from None
         state.prometheus.count_route(state.fleet.public_id(served), served.entry.version,
                                      chosen.reason)
+        request.state.request_id = job.request_id  # the client's, else the body's `id`
         headers = {"x-jaxserve-model-version": served.pinned_id}
         if chosen.fallback_from:
             headers["x-jaxserve-fallback-from"] = chosen.fallback_from
@@ -197,6 +205,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await run(request, body, handlers.ChatJob)
 
     add_tokenizer_routes(app, state, v1)
+    add_router_routes(app, state, check_api_key)
 
     return app
 

@@ -3,7 +3,9 @@
 A job submits `n` choices per prompt (`request_id` = job id + choice index, so the choices
 of a batch of prompts come back in order), then either collects them into one JSON body or
 streams them as server-sent events. Cancelling the job (client gone) ends every choice's
-stream, which aborts it in the engine.
+stream, which aborts it in the engine. The job id (the body's `id`) is always the server's
+own, so engine request ids stay unique; the client's `X-Request-Id` is recorded as the job's
+`request_id` (logged at debug level with its engine request ids) and echoed by the server.
 
 Log-probabilities over the prompt: `echo` with `logprobs` on completions (what
 lm-evaluation-harness's log-likelihood tasks send) returns the prompt's tokens and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from typing import Any, AsyncIterator
 
 from jaxserve.engine.output_processor import StreamDelta
@@ -26,6 +29,8 @@ from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       now)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+log = logging.getLogger("jaxserve.server")
 
 
 @dataclasses.dataclass
@@ -48,14 +53,16 @@ class Job:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, served, body, answer_as: str):
+    def __init__(self, served, body, answer_as: str, request_id: str | None = None):
         """`served`: the `jaxserve.fleet.ServedModel` that runs it; `answer_as`: the
-        `model` its bodies name."""
+        `model` its bodies name; `request_id`: the client's `X-Request-Id` (recorded, never
+        an engine request id: clients may repeat one)."""
         self.body = body
         self.engine = served.engine
         self.tokenizer = served.tokenizer
         self.max_model_len = served.max_model_len
         self.id = new_id(self.id_prefix)
+        self.request_id = request_id or self.id
         self.created = now()
         self.model = answer_as
         self.choices: list[Choice] = []
@@ -71,6 +78,8 @@ class Job:
             if isinstance(err, InvalidRequestError):
                 err.field = self.param(err.field)
             raise
+        log.debug("request %s: job %s, engine requests %s", self.request_id, self.id,
+                  [c.request_id for c in self.choices])
 
     def param(self, field: str | None) -> str | None:
         """The request field that an error about engine-level `field` names (OpenAI's
