@@ -112,7 +112,7 @@ def _model_dir(entry: ModelEntry, base: Path) -> Path:
                      "model's config.json; a shipped reference shape may be named instead)")
 
 
-def plan_models_file(path: str | Path, dtype: str | None = None, all_buckets: bool = False,
+def plan_models_file(path: str | Path, dtype: str | None = None, buckets: str = "ends",
                      progress: bool = True, verbose: bool = False) -> dict[str, Any]:
     """Plan every entry of the models file at `path` in file order on one target (see the
     module docstring), as a JSON-ready dict: the target, each engine's plan and the devices
@@ -125,7 +125,7 @@ def plan_models_file(path: str | Path, dtype: str | None = None, all_buckets: bo
     for planned in resolved:
         preset = dataclasses.replace(planned.preset, devices=target.devices)  # the host
         plan = build_plan(preset, planned.model_dir, dtype or planned.entry.dtype,
-                          planned.options, all_buckets=all_buckets, verbose=verbose,
+                          planned.options, buckets=buckets, verbose=verbose,
                           progress=progress, in_use_bytes=dict(enumerate(in_use)))
         resident = plan["weights_bytes_per_device"] + plan["kv_cache_bytes_per_device"]
         engines.append({
@@ -211,13 +211,13 @@ def format_models_plan(result: dict[str, Any], verbose: bool = False) -> str:
 
 
 def run_models_plan(args: argparse.Namespace) -> int:
-    """`jaxserve plan --models FILE` (`args`: models, json, all_buckets, verbose, dtype):
+    """`jaxserve plan --models FILE` (`args`: models, json, buckets, verbose, dtype):
     prints the JSON or the table; 0 if everything fits, 1 if not."""
     import jax
 
     if not jax.config.jax_platforms:  # the host compiles; never probe for attached chips
         jax.config.update("jax_platforms", "cpu")
-    result = plan_models_file(args.models, args.dtype, all_buckets=args.all_buckets,
+    result = plan_models_file(args.models, args.dtype, buckets=args.buckets,
                               progress=not args.json, verbose=args.verbose)
     print(json.dumps(result, indent=2) if args.json
           else format_models_plan(result, args.verbose))

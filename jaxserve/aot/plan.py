@@ -65,15 +65,23 @@ class ProgramReport:
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
 
 
-def chosen_programs(runner: Runner, all_buckets: bool) -> list[tuple[str, int, int]]:
-    """The bucket programs to compile: all, or per kind the smallest and the largest."""
+BUCKET_CHOICES = ("ends", "largest", "all")
+
+
+def chosen_programs(runner: Runner, buckets: str) -> list[tuple[str, int, int]]:
+    """The bucket programs to compile: `all`; per kind the smallest and the largest
+    (`ends`); or per kind the largest only (`largest`: the programs whose peak decides the
+    fit, half the compile time of `ends`)."""
+    if buckets not in BUCKET_CHOICES:
+        raise ValueError(f"buckets must be one of {BUCKET_CHOICES}, got {buckets!r}")
     keys = runner.bucket_programs()
-    if all_buckets:
+    if buckets == "all":
         return keys
     chosen = []
     for kind in dict.fromkeys(kind for kind, _, _ in keys):
         of_kind = sorted((k for k in keys if k[0] == kind), key=lambda k: (k[1] * k[2], k))
-        chosen += list(dict.fromkeys([of_kind[0], of_kind[-1]]))
+        ends = [of_kind[-1]] if buckets == "largest" else [of_kind[0], of_kind[-1]]
+        chosen += list(dict.fromkeys(ends))
     return chosen
 
 
@@ -132,7 +140,7 @@ def mesh_device_indices(engine: EngineConfig) -> tuple[int, ...]:
 
 
 def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
-               overrides: dict[str, Any] | None = None, all_buckets: bool = False,
+               overrides: dict[str, Any] | None = None, buckets: str = "ends",
                verbose: bool = False, progress: bool = True,
                model_name: str | None = None,
                in_use_bytes: Mapping[int, int] | None = None) -> dict[str, Any]:
@@ -190,7 +198,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size)
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
     reports = []
-    programs = chosen_programs(runner, all_buckets)
+    programs = chosen_programs(runner, buckets)
     result["warm_up_programs"] = len(runner.bucket_programs())  # per replica, at serve time
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
                                    unit="program", disable=not progress):

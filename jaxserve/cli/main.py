@@ -8,7 +8,7 @@
     jaxserve bench structured [--model PATH]
     jaxserve bench models [--model PATH]
     jaxserve convert --model HF_DIR --out CKPT_DIR
-    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--all-buckets]
+    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--buckets ends|largest|all]
     jaxserve plan --models models.toml
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the
@@ -226,7 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
         jax.config.update("jax_platforms", "cpu")
     model_dir = reference_model_dir(args.model) if args.model else preset.plan_model_dir()
     plan = build_plan(preset, model_dir, args.dtype, flag_options(args),
-                      all_buckets=args.all_buckets,
+                      buckets=args.buckets,
                       verbose=args.verbose, progress=not args.json,
                       model_name=args.model or preset.plan_model)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan, args.verbose))
@@ -315,8 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "device must fit together)")
     plan.set_defaults(model=None)
     plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    plan.add_argument("--all-buckets", action="store_true",
-                      help="compile every bucket (default: each kind's smallest and largest)")
+    plan.add_argument("--buckets", choices=("ends", "largest", "all"), default="ends",
+                      help="which bucket programs to compile: each kind's smallest and largest "
+                           "(ends, the default), its largest only (largest: the peaks that "
+                           "decide the fit, in half the time) or every bucket (all)")
+    plan.add_argument("--all-buckets", dest="buckets", action="store_const", const="all",
+                      help="the same as --buckets all")
     plan.add_argument("--verbose", action="store_true",
                       help="also the Triton kernels' registers, spills and shared memory (GPU)")
     plan.set_defaults(handler=_plan)

@@ -137,7 +137,7 @@ config = "v5e.toml"
 kv_cache_memory_fraction = 0.4
 """, {"v5e": ("v5e", 1, 1)}, {"tiny": TINY, "wide": wide})
     out = io.StringIO()
-    args = argparse.Namespace(models=path, json=True, all_buckets=False, verbose=False,
+    args = argparse.Namespace(models=path, json=True, buckets="ends", verbose=False,
                               dtype=None)
     with contextlib.redirect_stdout(out):
         code = run_models_plan(args)
