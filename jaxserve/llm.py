@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,6 +93,7 @@ class LLM:
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         mesh = engine_mesh(self.engine_config)
+        started = time.perf_counter()
         if checkpoint.is_checkpoint(model_dir):
             self.model = checkpoint.restore(model_dir, self.config, self.dtype, mesh)
         else:
@@ -99,7 +101,8 @@ class LLM:
                                       mesh=mesh)
         eos = eos_token_ids(model_dir, self.config.eos_token_ids,
                             self.tokenizer.eos_token_id if self.tokenizer else None)
-        self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress)
+        self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress,
+                             load_seconds=time.perf_counter() - started)
         self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
         self._request_ids = itertools.count()
 

@@ -54,6 +54,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="turn off automatic prefix caching")
     parser.add_argument("--strict-compile", action="store_true",
                         help="raise instead of compiling after warm-up")
+    parser.add_argument("--no-executable-cache", action="store_true",
+                        help="do not keep compiled programs on disk between starts (they are "
+                             "then traced every start and compiled through the XLA cache)")
 
 
 def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, dict]:
@@ -70,6 +73,8 @@ def flag_options(args: argparse.Namespace) -> dict:
         options["enable_prefix_caching"] = False
     if args.strict_compile:
         options["strict_compile"] = True
+    if args.no_executable_cache:
+        options["executable_cache"] = False
     return options
 
 

@@ -29,6 +29,9 @@ class EngineConfig:
     loop on CPU, where XLA copies each layer's weights out of the stack and a step runs ~2x
     slower. `attention_backend`: "auto" (Pallas kernels on TPU/GPU, the jnp CPU backend on
     CPU), "pallas", "cpu", or "reference" (the slow oracle); see `jaxserve.attention`.
+    `executable_cache`: keep every compiled bucket program on disk whole, beside the
+    compilation cache, so a restart neither traces nor compiles
+    (`jaxserve.engine.executable_store`).
     """
 
     max_model_len: int = 2048
@@ -44,6 +47,7 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] = ()
     attention_backend: str = "auto"
     compilation_cache_dir: str | None = None
+    executable_cache: bool = True
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     scan_layers: bool | None = None

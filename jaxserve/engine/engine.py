@@ -52,6 +52,7 @@ from jaxserve.model import LlamaModel
 from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.program_cache import warn_near_mapping_limit
 from jaxserve.engine.replica import InFlight, Replica, on_mesh
 from jaxserve.engine.runner import Runner
@@ -85,13 +86,25 @@ def _without_logprobs(pending):
 
 def enable_compilation_cache(config: EngineConfig) -> None:
     """Turn on JAX's persistent compilation cache (unless the user already chose a folder),
-    so a restart loads the bucket programs instead of compiling them."""
+    so a restart loads the bucket programs instead of compiling them. Not on CPU while the
+    executable store is on: the store then caches the programs, and a CPU program that JAX's
+    cache answered cannot be stored (`jaxserve.engine.executable_store`)."""
     if jax.config.jax_compilation_cache_dir:
+        return
+    if jax.default_backend() == "cpu" and executable_store_for(config) is not None:
         return
     folder = config.resolved_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def executable_store_for(config: EngineConfig) -> ExecutableStore | None:
+    """Where the engine keeps its compiled programs between processes, or None: turned off,
+    or a multi-process run (each process compiles through the persistent cache)."""
+    if not config.executable_cache or multihost.is_multiprocess():
+        return None
+    return ExecutableStore(config.resolved_cache_dir() / "executables")
 
 
 def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
@@ -131,11 +144,15 @@ class Engine:
     """Serves many requests at once on one model."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: Tokenizer | None,
-                 eos_token_ids: Iterable[int], progress: bool = True):
+                 eos_token_ids: Iterable[int], progress: bool = True, load_seconds: float = 0.0):
+        """`load_seconds`: how long reading `model`'s weights took (start-up's "load" phase
+        begins there; placing and stacking them here counts too)."""
+        started = time.perf_counter()
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         enable_compilation_cache(config)
+        self.executable_store = executable_store_for(config)
         self.mesh = engine_mesh(config)
         model = shard_model(model, self.mesh)
         if scan_layers_for(config):
@@ -151,10 +168,22 @@ class Engine:
             allocator = PageAllocator(self.num_pages, config.page_size,
                                       config.enable_prefix_caching)
             replica_model = model if config.data_parallel_size == 1 else on_mesh(model, sub_mesh)
-            runner = Runner(replica_model, config, self.num_pages, sub_mesh)
+            runner = Runner(replica_model, config, self.num_pages, sub_mesh,
+                            executable_store=self.executable_store)
             runner.warm_up(progress)
             self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
         self.runner = self.replicas[0].runner
+        runners = [r.runner for r in self.replicas]
+        compile_s = sum(r.warm_up_seconds for r in runners)
+        warm_s = sum(r.first_runs_seconds for r in runners)
+        # seconds of each start-up phase (`jaxserve:startup_seconds{phase}`)
+        self.startup_seconds = {
+            "load": load_seconds + time.perf_counter() - started - compile_s - warm_s,
+            "compile": compile_s, "warmup": warm_s}
+        log.info("start-up: load %.1f s, compile %.1f s (%d programs, %d read from the "
+                 "executable cache), warm-up %.1f s", self.startup_seconds["load"], compile_s,
+                 sum(r.num_programs for r in runners),
+                 sum(r.programs_from_store for r in runners), warm_s)
         warn_near_mapping_limit()
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -440,6 +469,7 @@ class Engine:
             totals.update(replica.allocator.stats())
             totals["compiles_after_warmup"] += replica.runner.compiles_after_warmup
             totals["compiled_programs"] += replica.runner.num_programs
+            totals["programs_from_store"] += replica.runner.programs_from_store
         usage = sum(r.allocator.usage for r in self.replicas) / len(self.replicas)
         return EngineStats(kv_cache_usage=usage, **totals)
 

@@ -27,6 +27,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     compiles_after_warmup: int = 0
     compiled_programs: int = 0  # bucket programs the replicas hold (shared ones per replica)
+    programs_from_store: int = 0  # of those, read whole from the executable store
 
 
 @dataclasses.dataclass

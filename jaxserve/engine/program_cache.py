@@ -6,17 +6,19 @@ compiled program holds native memory — on XLA:CPU every JIT-linked object is t
 mappings, about 800 per program of the default model — and a Linux process has
 `vm.max_map_count` (65,530 by default) of them; past it LLVM aborts the whole process
 (`Unable to allocate section memory`). So a program is compiled once per process and shared
-(`compile_shared`), keyed by its lowered text and the devices it runs on, and freed when the
-last runner holding it goes. `memory_mappings()` says how close the process is to the limit.
+(`compile_shared`), keyed by the runner's description of it
+(`executable_store.program_store_key`: shapes, options, devices, versions, source), and freed
+when the last runner holding it goes. `memory_mappings()` says how close the process is to
+the limit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -26,25 +28,22 @@ _LOCK = threading.Lock()
 log = logging.getLogger("jaxserve.engine")
 
 
-def program_key(lowered: jax.stages.Lowered, devices) -> str:
-    """What identifies a compiled program: its StableHLO text and its devices' ids, in mesh
-    order (two meshes over different devices lower to the same text)."""
-    digest = hashlib.sha256(lowered.as_text().encode())
-    digest.update(repr((lowered.in_tree, lowered.out_tree)).encode())  # how it is called
-    digest.update(repr([(d.platform, d.id) for d in devices]).encode())
-    return digest.hexdigest()
-
-
-def compile_shared(lowered: jax.stages.Lowered, devices) -> jax.stages.Compiled:
-    """`lowered.compile()`, or the same program another engine of this process compiled."""
-    key = program_key(lowered, devices)
+def compile_shared(key: str, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+    """The program of `key` another engine of this process already holds, else `build()`."""
     with _LOCK:
         compiled = _PROGRAMS.get(key)
-    if compiled is None:  # compiled outside the lock: other programs need not wait
-        compiled = lowered.compile()
-        with _LOCK:  # two engines compiling it at once keep the first
+    if compiled is None:  # built outside the lock: other programs need not wait
+        compiled = build()
+        with _LOCK:  # two engines building it at once keep the first
             compiled = _PROGRAMS.setdefault(key, compiled)
     return compiled
+
+
+def forget(key: str) -> None:
+    """Drop `key`'s program from the shared table (it proved unusable): the next
+    `compile_shared` of it builds a new one."""
+    with _LOCK:
+        _PROGRAMS.pop(key, None)
 
 
 def process_programs() -> int:

@@ -18,6 +18,9 @@ returns to the model. The runner itself has no backend-specific code.
 
 Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and kept per bucket, so
 a call can never recompile silently; with `strict_compile` a bucket missed at warm-up raises.
+With an `ExecutableStore` a program is read back whole from disk when its key (computed
+without tracing) is there, and stored after compiling when not; warm-up then runs each program
+once on an all-padding batch, which also catches a stored program that cannot run.
 This is the one place that calls `jax.jit` for the model step.
 
 The KV cache has the model's layout: per-layer `(k_pages, v_pages)` for a list of layers, one
@@ -34,8 +37,10 @@ and read the results. `launch_*` only dispatch (several replicas then run concur
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 
 import jax
@@ -52,7 +57,8 @@ from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInp
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
-from jaxserve.engine.program_cache import compile_shared
+from jaxserve.engine.executable_store import ExecutableStore, program_store_key
+from jaxserve.engine.program_cache import compile_shared, forget
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.model import LlamaModel
@@ -70,7 +76,7 @@ class Runner:
     """Holds the weights, the KV cache and the compiled programs."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, mesh: Mesh,
-                 platform: str | None = None):
+                 platform: str | None = None, executable_store: ExecutableStore | None = None):
         """`model` must already be placed on `mesh` (`jaxserve.loading.weights.shard_model`),
         or be abstract (parameters `jax.ShapeDtypeStruct`s with their shardings, as
         `jaxserve plan` builds it): then the KV cache is abstract too and the programs can
@@ -108,13 +114,17 @@ class Runner:
         self.last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=rep)
         if not abstract:
             self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
+        self.executable_store = executable_store
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._program_keys: dict[tuple, str] = {}  # bucket → its key in the store
+        self._from_store: set[tuple] = set()  # buckets whose program was read from the store
         self._layouts: dict[tuple, Layout] = {}
         self._no_history: dict[int, jax.Array] = {}  # rows → [rows, max_model_len] of -1
         self.mask_words = -(-model.config.vocab_size // 32)  # int32 words of a token bitmask
         self._all_allowed: dict[int, jax.Array] = {}  # rows → [rows, mask_words] of -1
         self.warmed_up = False
-        self.warm_up_seconds = 0.0
+        self.warm_up_seconds = 0.0  # compiling or loading every program
+        self.first_runs_seconds = 0.0  # running each once
         self.compiles_after_warmup = 0
 
     # ---- traced programs ----------------------------------------------------------------
@@ -243,19 +253,49 @@ class Runner:
         return jitted, [self._state_leaves, self.caches, packed_shape(layout, self.replicated),
                         shapes.history, shapes.allowed, self.last_tokens]
 
+    def program_description(self, kind: str, tokens: int, rows: int, args) -> dict:
+        """What shapes a bucket's program, known without tracing it (with the devices and
+        the environment, `executable_store.program_store_key` makes it a key)."""
+        cfg = self.config
+        return {"program": (kind, tokens, rows), "model": repr(self.model_config),
+                "options": {"max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
+                            "num_decode_steps": cfg.num_decode_steps},
+                "attention": type(self.attention).__name__, "state": str(self._state_def),
+                "arguments": [(a.shape, str(a.dtype), str(a.sharding))
+                              for a in jax.tree.leaves(args)]}
+
     def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         """The compiled program of a bucket, compiling it if warm-up did not (counted; with
         `strict_compile` a `CompileAfterWarmupError`)."""
-        key = (kind, tokens, rows)
-        if key not in self._compiled:
+        bucket = (kind, tokens, rows)
+        if bucket not in self._compiled:
             if self.warmed_up:
                 if self.config.strict_compile:
                     raise CompileAfterWarmupError(
-                        f"program {key} was not compiled at warm-up (strict_compile=True)")
+                        f"program {bucket} was not compiled at warm-up (strict_compile=True)")
                 self.compiles_after_warmup += 1
             jitted, args = self.program_inputs(kind, tokens, rows)
-            self._compiled[key] = compile_shared(jitted.lower(*args), self.mesh.devices.flat)
-        return self._compiled[key]
+            devices = list(self.mesh.devices.flat)
+            key = program_store_key(self.program_description(kind, tokens, rows, args), devices)
+
+            def build() -> jax.stages.Compiled:
+                if self.executable_store is None:
+                    return jitted.lower(*args).compile()
+                compiled, stored = self.executable_store.load_or_compile(
+                    key, lambda: jitted.lower(*args), jax.tree.structure((tuple(args), {})),
+                    devices)
+                if stored:
+                    self._from_store.add(bucket)
+                return compiled
+
+            self._compiled[bucket] = compile_shared(key, build)
+            self._program_keys[bucket] = key
+        return self._compiled[bucket]
+
+    @property
+    def programs_from_store(self) -> int:
+        """Programs this runner read whole from the executable store."""
+        return len(self._from_store)
 
     @property
     def num_programs(self) -> int:
@@ -270,14 +310,52 @@ class Runner:
         return keys
 
     def warm_up(self, progress: bool = True) -> None:
-        """Compile every bucket's program (from the persistent cache when it has them);
-        `warm_up_seconds` says how long it took."""
+        """Compile every bucket's program (or read it from the executable store / JAX's
+        persistent cache), then run each once (`first_runs`). `warm_up_seconds` and
+        `first_runs_seconds` say how long each part took."""
         started = time.perf_counter()
-        for key in tqdm(self.bucket_programs(), desc="Compiling buckets", unit="program",
-                        disable=not progress):
-            self.program(*key)
+        buckets = self.bucket_programs()
+        # Loading and compiling release the GIL: a few at once use the host's cores.
+        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+            loads = [pool.submit(self.program, *bucket) for bucket in buckets]
+            for load in tqdm(concurrent.futures.as_completed(loads), total=len(loads),
+                             desc="Compiling buckets", unit="program", disable=not progress):
+                load.result()
         self.warmed_up = True
         self.warm_up_seconds = time.perf_counter() - started
+        if not isinstance(self.last_tokens, jax.ShapeDtypeStruct):  # abstract: compile only
+            started = time.perf_counter()
+            self.first_runs()
+            self.first_runs_seconds = time.perf_counter() - started
+
+    def first_runs(self) -> None:
+        """Run every compiled program once on an all-padding batch (it writes only the
+        padding page 0), so a request never pays a program's first-run costs, and a program
+        read from the store that cannot run (a bad entry) is dropped and compiled again."""
+        for bucket in list(self._compiled):
+            try:
+                self._run_padding(*bucket)
+            except Exception as err:  # noqa: BLE001 - only a stored program is retried
+                if bucket not in self._from_store:
+                    raise
+                self.executable_store.reject(self._program_keys[bucket],
+                                             f"its first run failed: {err}")
+                self._from_store.discard(bucket)
+                forget(self._program_keys.pop(bucket))
+                del self._compiled[bucket]
+                if not self.caches_usable():
+                    self.reset_caches()
+                self.warmed_up = False  # not a compile after warm-up
+                self.program(*bucket)
+                self.warmed_up = True
+                self._run_padding(*bucket)
+
+    def _run_padding(self, kind: str, tokens: int, rows: int) -> None:
+        """One run of a program on zero inputs: no sequences, every token on page 0."""
+        inp = self.empty_input(tokens, rows)
+        outputs = self._launch(kind, inp) if kind == "step" else self._launch(
+            kind, inp, np.int32(1))
+        jax.block_until_ready((outputs, self.caches, self.last_tokens))
 
     # ---- after a failed step -------------------------------------------------------------
     def caches_usable(self) -> bool:

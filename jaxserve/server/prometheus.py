@@ -60,6 +60,17 @@ class _EngineState:
         yield gauge("jaxserve:compiled_programs",
                     "Bucket programs this model's engine holds (compiled once per process "
                     "and shared by engines with the same programs).", "compiled_programs")
+        yield gauge("jaxserve:programs_from_executable_cache",
+                    "Of those, programs read whole from the executable cache at start-up "
+                    "(neither traced nor compiled).", "programs_from_store")
+        startup = GaugeMetricFamily("jaxserve:startup_seconds",
+                                    "Seconds of each start-up phase: load (weights), compile "
+                                    "(every bucket program), warmup (a first run of each).",
+                                    labels=["model_name", "phase"])
+        for model_name, engine in list(self.engines.items()):
+            for phase, seconds in engine.startup_seconds.items():
+                startup.add_metric([model_name, phase], seconds)
+        yield startup
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
             yield GaugeMetricFamily("jaxserve:memory_mappings",

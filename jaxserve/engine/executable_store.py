@@ -1,0 +1,191 @@
+"""Compiled bucket programs kept on disk whole, so that a restart skips tracing too.
+
+JAX's persistent compilation cache (which the engine also turns on) saves XLA's compile, but
+every start still traces and lowers each bucket program to find the cache entry: 53 of the 54
+seconds of a warm restart of the 60M bench model, most of `jaxserve generate`'s start. This
+store keeps each program's executable (`jax.experimental.serialize_executable`) under a key
+computed *without* tracing, from everything that shapes the program:
+
+- the program's own description, from the runner: kind and bucket, the model config, the
+  program-shaping engine options, the abstract arguments' shapes, dtypes and shardings;
+- the devices in mesh order (platform, kind, id) and the backend's platform version;
+- jax, jaxlib, flax and numpy versions, `XLA_FLAGS` / `LIBTPU_INIT_ARGS` and the jax options
+  that change lowering (x64, default matmul precision);
+- a digest of the source of `jaxserve`, `pallas_kernels` and `sharding`: any code change is
+  a new key, so an edit never runs a stale program (at the price of one compile).
+
+A miss compiles as before and writes the entry. An entry that cannot be used — truncated,
+wrong checksum, not unpicklable, a different call signature, or a program that fails its
+first run (`Engine` runs each program once on an empty batch at start) — is a warning, the
+file is removed and the program compiled again.
+
+An XLA:CPU executable that JAX read back from its persistent cache serializes without some
+of its functions (jax 0.10.2: the reloaded copy fails with "Function ... not found"). So on
+CPU the engine leaves JAX's persistent cache off while this store is on (the store is then the
+cache of the bucket programs), and a CPU executable that JAX's cache did answer (a user who
+turned it on) is not stored. On TPU/GPU both caches are on; the first run guards the store.
+
+The store is off in multi-process runs (every process would need its own entry of a
+collective program; they compile through the persistent cache as before). Like JAX's cache,
+loading an entry runs native code from the file: the folder must be writable by its user only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger("jaxserve.engine")
+
+FORMAT = b"jaxserve-executable-1\n"
+_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")  # whose source shapes the programs
+_DIGEST_LOCK = threading.Lock()
+_SOURCE_DIGEST: list[str] = []
+
+
+def source_digest() -> str:
+    """sha256 over the Python source of the packages that trace the programs (once a process)."""
+    with _DIGEST_LOCK:
+        if not _SOURCE_DIGEST:
+            digest = hashlib.sha256()
+            for package in _PACKAGES:
+                root = Path(importlib.import_module(package).__file__).parent
+                for path in sorted(root.rglob("*.py")):
+                    digest.update(str(path.relative_to(root.parent)).encode())
+                    digest.update(path.read_bytes())
+            _SOURCE_DIGEST.append(digest.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+def environment(devices) -> dict[str, Any]:
+    """What, outside the program's description, decides the executable."""
+    versions = {name: importlib.metadata.version(name)
+                for name in ("jax", "jaxlib", "flax", "numpy")}
+    first = devices[0]
+    return {"format": FORMAT.decode().strip(), "versions": versions,
+            "platform_version": first.client.platform_version,
+            "devices": [(d.platform, d.device_kind, d.id) for d in devices],
+            "env": {name: os.environ.get(name, "") for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+            "jax": {"x64": jax.config.jax_enable_x64,
+                    "matmul_precision": str(jax.config.jax_default_matmul_precision)},
+            "source": source_digest()}
+
+
+def program_store_key(description: dict[str, Any], devices) -> str:
+    """The key of a program: sha256 of its description and its environment."""
+    text = repr(sorted({**description, "environment": environment(list(devices))}.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_compile_state = threading.local()  # .hit: this thread's last compile came from JAX's cache
+
+
+def _note_cache_hit(event: str, **_) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _compile_state.hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
+
+def compile_noting_cache(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """(`lowered.compile()`, whether JAX's persistent cache answered it)."""
+    _compile_state.hit = False
+    compiled = lowered.compile()
+    return compiled, _compile_state.hit
+
+
+class ExecutableStore:
+    """A folder of serialized executables, one file per key."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.loaded = 0  # programs read from the store by this process
+        self.written = 0
+        self.rejected = 0  # entries found unusable and removed
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.jxe"
+
+    def load(self, key: str, in_tree, devices) -> jax.stages.Compiled | None:
+        """The stored executable of `key` on `devices`, or None (missing or unusable: removed
+        with a warning). `in_tree`: how the caller will call it; an entry called otherwise
+        is unusable."""
+        path = self.path(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            log.warning("executable cache entry %s unreadable (%s); compiling", path.name, err)
+            return None
+        try:
+            body = _checked_body(blob)
+            payload, stored_in_tree, out_tree = pickle.loads(body)
+            if stored_in_tree != in_tree:
+                raise ValueError("it was compiled for another call signature")
+            compiled = serialize_executable.deserialize_and_load(
+                payload, stored_in_tree, out_tree, backend=devices[0].client,
+                execution_devices=list(devices))
+        except Exception as err:  # noqa: BLE001 - any unusable entry is a miss
+            self.reject(key, f"{type(err).__name__}: {err}")
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: str, compiled: jax.stages.Compiled) -> None:
+        """Write `compiled` under `key` (atomically: a reader sees all of it or nothing). A
+        program that cannot be serialized or a folder that cannot be written is a warning."""
+        try:
+            body = pickle.dumps(serialize_executable.serialize(compiled))
+            self.folder.mkdir(parents=True, exist_ok=True)
+            partial = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+            partial.write_bytes(FORMAT + hashlib.sha256(body).digest() + body)
+            os.replace(partial, self.path(key))
+        except Exception as err:  # noqa: BLE001 - the store is an optimization
+            log.warning("could not keep a compiled program in %s (%s: %s)", self.folder,
+                        type(err).__name__, err)
+            return
+        self.written += 1
+
+    def reject(self, key: str, reason: str) -> None:
+        """Remove an unusable entry, saying why."""
+        log.warning("ignoring executable cache entry %s (%s); compiling it again",
+                    self.path(key).name, reason)
+        self.rejected += 1
+        self.path(key).unlink(missing_ok=True)
+
+    def load_or_compile(self, key: str, lower: Callable[[], jax.stages.Lowered], in_tree,
+                        devices) -> tuple[jax.stages.Compiled, bool]:
+        """(the program, whether it came from the store): the stored one, else `lower()`
+        compiled fresh and stored."""
+        compiled = self.load(key, in_tree, devices)
+        if compiled is not None:
+            return compiled, True
+        compiled, from_jax_cache = compile_noting_cache(lower())
+        if from_jax_cache and devices[0].platform == "cpu":
+            log.debug("not storing a CPU program JAX's persistent cache answered (it would "
+                      "not run once stored again)")
+        else:
+            self.save(key, compiled)
+        return compiled, False
+
+
+def _checked_body(blob: bytes) -> bytes:
+    """The pickled body of a file, after its format tag and checksum are verified."""
+    if not blob.startswith(FORMAT):
+        raise ValueError("not an executable cache file of this format")
+    digest, body = blob[len(FORMAT):len(FORMAT) + 32], blob[len(FORMAT) + 32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise ValueError("checksum mismatch (truncated or corrupted)")
+    return body

@@ -1,0 +1,92 @@
+"""The executable store: a second process reads every bucket program from disk (no tracing,
+no compile) and still generates what transformers generates; unusable entries (corrupted,
+truncated, or programs that cannot run their bucket) are warned about and compiled again."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tiny_models import SMALL_ENGINE, build_model
+
+PROMPT = [0, 5, 9, 14, 3, 7, 21, 2, 8]
+MAX_TOKENS = 12
+
+# One start of an engine in a fresh process: what it read from the store, and what it made.
+START = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.WARNING)
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(sys.argv[1], progress=False, **json.loads(sys.argv[2]))
+    out = llm.generate({"prompt_token_ids": json.loads(sys.argv[3])},
+                       SamplingParams(max_tokens=int(sys.argv[4]), temperature=0,
+                                      ignore_eos=True))
+    stats = llm.engine.stats()
+    print(json.dumps({"programs": stats.compiled_programs,
+                      "from_store": stats.programs_from_store,
+                      "startup": llm.engine.startup_seconds,
+                      "tokens": list(out[0].outputs[0].token_ids)}))
+""")
+
+
+@pytest.fixture(scope="module")
+def model_and_expected(tmp_path_factory):
+    """A tiny Llama folder and transformers' greedy continuation of PROMPT (the reference)."""
+    folder = tmp_path_factory.mktemp("store_llama")
+    hf = build_model("llama", folder)
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          min_new_tokens=MAX_TOKENS)
+    return folder, ids[0, len(PROMPT):].tolist()
+
+
+def start(folder, cache_dir):
+    """Run START in a new process with `cache_dir` as jaxserve's cache; (result, stderr)."""
+    engine = {**SMALL_ENGINE, "token_buckets": [16, 64], "seq_buckets": [2, 8]}
+    env = {**os.environ, "JAXSERVE_CACHE_DIR": str(cache_dir), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user's process has
+    done = subprocess.run([sys.executable, "-c", START, str(folder), json.dumps(engine),
+                           json.dumps(PROMPT), str(MAX_TOKENS)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_second_start_reads_every_program_and_unusable_entries_are_recompiled(
+        model_and_expected, tmp_path):
+    folder, expected = model_and_expected
+    cache = tmp_path / "cache"
+    first, _ = start(folder, cache)
+    assert first["from_store"] == 0 and first["programs"] > 0
+    assert first["tokens"] == expected
+    entries = sorted((cache / "executables").glob("*.jxe"))
+    assert len(entries) == first["programs"]
+
+    second, _ = start(folder, cache)
+    assert second["from_store"] == second["programs"] == first["programs"]
+    assert second["tokens"] == expected
+    assert set(second["startup"]) == {"load", "compile", "warmup"}
+    print(f"\nstart-up phases, first start: {first['startup']}, second: {second['startup']}")
+
+    # Three bad entries: bytes flipped, cut short, and two programs' files swapped (each
+    # intact and loadable, but compiled for the other bucket's shapes: its first run fails).
+    flipped = bytearray(entries[0].read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    entries[0].write_bytes(bytes(flipped))
+    entries[1].write_bytes(entries[1].read_bytes()[:1000])
+    a, b = entries[2].read_bytes(), entries[3].read_bytes()
+    entries[2].write_bytes(b)
+    entries[3].write_bytes(a)
+
+    third, stderr = start(folder, cache)
+    assert "checksum mismatch" in stderr
+    assert stderr.count("ignoring executable cache entry") >= 3
+    assert third["tokens"] == expected
+    assert third["from_store"] == third["programs"] - 4
+    fourth, stderr = start(folder, cache)  # the bad entries were replaced by good ones
+    assert "ignoring executable cache entry" not in stderr
+    assert fourth["from_store"] == fourth["programs"] and fourth["tokens"] == expected
