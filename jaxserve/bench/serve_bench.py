@@ -1,13 +1,23 @@
-"""`jaxserve bench serve`: load-test a running OpenAI-compatible server.
+"""`jaxserve bench serve`: load-test a running OpenAI-compatible server, at one load or a sweep
+of them, and answer the capacity question: how much throughput, at what cost, for this latency.
 
 Requests go to `/v1/completions` with `stream: true`, at a Poisson rate (`--request-rate`) or
 all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
 `--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths
 drawn around `--input-len`; every request asks for exactly `--output-len` tokens
-(`ignore_eos`). Reports completed/failed,
-request and token throughput, TTFT, TPOT (per request, excluding the first token), ITL
-(between streamed chunks) and end-to-end latency as mean/p50/p90/p99, and goodput: requests
-per second meeting every SLO given. Prints a table, optionally writes JSON and a CDF plot.
+(`ignore_eos`). Reports completed/failed, request and token throughput, TTFT, TPOT (per
+request, excluding the first token), ITL (between streamed chunks) and end-to-end latency as
+mean/p50/p90/p99, and goodput: requests per second meeting every SLO given (`--slo-ttft`,
+`--slo-tpot`, `--slo-e2e` in ms, or vLLM's `--goodput ttft:MS tpot:MS`).
+
+Several `--request-rate` and/or `--max-concurrency` values sweep every pair of them, one run
+per point with the same seeded prompts and arrival pattern (the Poisson gaps scaled to each
+rate), and print one table row per point. Each point's prompts differ from the other points'
+in their first token only, so the server's prefix cache cannot answer a point from an earlier
+one. `serve_sweep` judges the points against the SLO at `--slo-percentile`, picks the best one
+meeting it, prices its output tokens (`--cost-per-hour`) and sizes a deployment for
+`--target-rate`. `--json` writes every point and that summary; `--plot` draws throughput
+against latency with the SLO lines, and the latency CDFs.
 """
 
 from __future__ import annotations
@@ -16,10 +26,13 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import time
 
 import httpx
 import numpy as np
+
+from jaxserve.bench import serve_sweep
 
 
 @dataclasses.dataclass
@@ -38,13 +51,16 @@ class RequestResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000",
+                        help="server base URL")
     parser.add_argument("--model", default=None, help="model name (default: the first served)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals (default: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests per point")
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                        help="requests per second, Poisson arrivals (default: inf, all at "
+                             "once); several values sweep them")
+    parser.add_argument("--max-concurrency", type=int, nargs="+", default=[32],
+                        help="most requests in flight; several values sweep them")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--input-len-std", type=float, default=0.0,
                         help="standard deviation of prompt lengths (normal, clipped at 1)")
@@ -53,11 +69,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar=("LOW", "HIGH"), help="prompt token ids are drawn from [LOW, HIGH)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds")
-    parser.add_argument("--json", default=None, help="write the results as JSON here")
-    parser.add_argument("--plot", default=None, help="write latency CDFs as PNG (matplotlib)")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="MS",
+                        help="SLO on time to first token, milliseconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="MS",
+                        help="SLO on time per output token after the first, milliseconds")
+    parser.add_argument("--slo-e2e", type=float, default=None, metavar="MS",
+                        help="SLO on end-to-end request latency, milliseconds")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="the SLOs as vLLM spells them, e.g. ttft:2000 tpot:200")
+    parser.add_argument("--slo-percentile", type=float, default=90.0,
+                        help="a point meets the SLO when this percentile of each limited "
+                             "metric is within its limit and no request failed (default 90)")
+    parser.add_argument("--cost-per-hour", type=float, default=None, metavar="USD",
+                        help="price of the measured deployment: prints the cost per million "
+                             "output tokens at the best point meeting the SLO")
+    parser.add_argument("--target-rate", type=float, default=None, metavar="REQ_PER_S",
+                        help="prints the replicas of the measured deployment this load needs")
+    parser.add_argument("--json", default=None, help="write every point and the summary here")
+    parser.add_argument("--plot", default=None,
+                        help="write a PNG: throughput vs TTFT/TPOT with the SLO, latency CDFs "
+                             "(needs matplotlib)")
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
@@ -94,8 +125,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
     return result
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict:
-    """Send the load; return the summary dict."""
+async def run_sweep(args: argparse.Namespace, points: list[tuple[float, int]],
+                    slos: dict[str, float]) -> list[dict]:
+    """Run every (request rate, max concurrency) point in turn with the same prompts and
+    arrival pattern; return one `summarize` dict per point, with its load added."""
     rng = np.random.default_rng(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url) as client:
@@ -107,31 +140,58 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         lengths = np.maximum(1, rng.normal(args.input_len, args.input_len_std,
                                            args.num_prompts).round().astype(int))
         low, high = args.prompt_token_range
-        bodies = [{"model": model, "prompt": rng.integers(low, high, n).tolist(),
-                   "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0,
-                   "stream": True, "stream_options": {"include_usage": True}}
-                  for n in lengths]
-        gate = asyncio.Semaphore(args.max_concurrency)
-        done = 0
+        prompts = [rng.integers(low, high, n).tolist() for n in lengths]
+        gaps = rng.exponential(1.0, args.num_prompts)  # unit-rate Poisson gaps
+        summaries = []
+        for index, (rate, concurrency) in enumerate(points):
+            if len(points) > 1:
+                print(f"point {index + 1}/{len(points)}: rate {rate:g}/s, "
+                      f"concurrency {concurrency}", flush=True)
+            # the point's own first token: no prefix-cache hits on an earlier point's prompts
+            bodies = [{"model": model, "prompt": [low + index % (high - low)] + prompt[1:],
+                       "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}
+                      for prompt in prompts]
+            results, duration = await _load(client, bodies, gaps / rate, concurrency,
+                                             headers, args.timeout)
+            summary = summarize(results, duration, slos)
+            summaries.append({"request_rate": rate, "max_concurrency": concurrency, **summary})
+    return summaries
 
-        async def limited(body):
-            nonlocal done
-            async with gate:
-                out = await _one(client, "/v1/completions", body, headers, args.timeout)
-            done += 1
-            if done % max(1, args.num_prompts // 10) == 0 or done == args.num_prompts:
-                print(f"  {done}/{args.num_prompts} requests done", flush=True)
-            return out
 
-        start = time.perf_counter()
-        tasks = []
-        for body in bodies:
-            tasks.append(asyncio.ensure_future(limited(body)))
-            if np.isfinite(args.request_rate):
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(results, duration, args)
+async def _load(client: httpx.AsyncClient, bodies: list[dict], gaps: np.ndarray,
+                concurrency: int, headers: dict, timeout: float
+                ) -> tuple[list[RequestResult], float]:
+    """Send `bodies`, waiting `gaps[i]` seconds between the i-th and the next, at most
+    `concurrency` in flight; return the results and the wall time from the first send to the
+    last answer."""
+    gate = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def limited(body):
+        nonlocal done
+        async with gate:
+            out = await _one(client, "/v1/completions", body, headers, timeout)
+        done += 1
+        if done % max(1, len(bodies) // 10) == 0 or done == len(bodies):
+            print(f"  {done}/{len(bodies)} requests done", flush=True)
+        return out
+
+    start = time.perf_counter()
+    tasks = []
+    for index, body in enumerate(bodies):
+        if index and gaps[index - 1] > 0:
+            await asyncio.sleep(gaps[index - 1])
+        tasks.append(asyncio.ensure_future(limited(body)))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+async def run_benchmark(args: argparse.Namespace, slos: dict[str, float] | None = None) -> dict:
+    """One point at `args.request_rate` and `args.max_concurrency` (single numbers), with
+    `slos` in seconds for goodput; return its summary dict."""
+    points = [(args.request_rate, args.max_concurrency)]
+    return (await run_sweep(args, points, slos or {}))[0]
 
 
 def _stats(values) -> dict:
@@ -142,11 +202,12 @@ def _stats(values) -> dict:
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float, args) -> dict:
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+    """Counts, throughput, latency stats and goodput of one point; `_samples` keeps the raw
+    latencies (seconds) for the SLO percentile and the plot, and is left out of the JSON."""
     ok = [r for r in results if r.ok]
-    slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "e2e": args.slo_e2e}
-    good = [r for r in ok if all(limit is None or getattr(r, name) <= limit
-                                 for name, limit in slos.items())]
+    good = [r for r in ok if serve_sweep.meets_slos(
+        {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}, slos)]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {
@@ -155,7 +216,8 @@ def summarize(results: list[RequestResult], duration: float, args) -> dict:
         "request_throughput": len(ok) / duration,
         "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
-        "goodput": len(good) / duration, "slos": {k: v for k, v in slos.items() if v},
+        "goodput": len(good) / duration,
+        "slo_fraction": len(good) / len(results) if results else 0.0,
         "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats([r.tpot for r in ok]),
         "itl_s": _stats([g for r in ok for g in r.itl]),
         "e2e_s": _stats([r.e2e for r in ok]),
@@ -164,13 +226,15 @@ def summarize(results: list[RequestResult], duration: float, args) -> dict:
     }
 
 
-def format_table(summary: dict) -> str:
+def format_table(summary: dict, slos: dict[str, float]) -> str:
+    """One point's numbers, one per line (the output of a run without a sweep)."""
+    slos = " ".join(f"{k}<={v * 1000:g}ms" for k, v in slos.items()) or "none"
     lines = [f"{'completed':<28}{summary['completed']}", f"{'failed':<28}{summary['failed']}",
              f"{'duration (s)':<28}{summary['duration_s']:.2f}",
              f"{'requests/s':<28}{summary['request_throughput']:.2f}",
              f"{'output tokens/s':<28}{summary['output_token_throughput']:.1f}",
              f"{'total tokens/s':<28}{summary['total_token_throughput']:.1f}",
-             f"{'goodput (requests/s)':<28}{summary['goodput']:.2f}  SLOs {summary['slos']}",
+             f"{'goodput (requests/s)':<28}{summary['goodput']:.2f}  SLOs {slos}",
              f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = summary[f"{name}_s"]
@@ -179,32 +243,45 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_cdfs(summary: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ValueError("--plot needs matplotlib: pip install 'jaxserve[plot]'") from err
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, name in zip(axes, ("ttft", "tpot", "itl", "e2e")):
-        values = np.sort(np.asarray(summary["_samples"][name]) * 1000)
-        ax.plot(values, np.linspace(0, 1, len(values)) if len(values) else values)
-        ax.set_title(f"{name.upper()} CDF")
-        ax.set_xlabel("ms")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
+def _finite(value):
+    """JSON has no infinity: an unlimited request rate is written as null."""
+    return None if isinstance(value, float) and math.isinf(value) else value
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    print(f"benchmarking {args.url}: {args.num_prompts} prompts, rate {args.request_rate}/s, "
-          f"concurrency {args.max_concurrency}", flush=True)
-    summary = asyncio.run(run_benchmark(args))
-    print(format_table(summary))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({k: v for k, v in summary.items() if k != "_samples"}, out, indent=2)
+    """The CLI: run the points, print the table(s) and the capacity answer, write JSON/plot.
+    Exit status 1 when any request failed."""
+    slos = serve_sweep.parse_slos(args.slo_ttft, args.slo_tpot, args.slo_e2e, args.goodput)
+    points = serve_sweep.sweep_points(args.request_rate, args.max_concurrency)
+    q = args.slo_percentile
+    if not 0 < q <= 100:
+        raise ValueError("--slo-percentile must be in (0, 100]")
     if args.plot:
-        plot_cdfs(summary, args.plot)
-    return 0 if summary["failed"] == 0 else 1
+        serve_sweep.require_pyplot()
+    if len(points) == 1:
+        print(f"benchmarking {args.url}: {args.num_prompts} prompts, rate "
+              f"{points[0][0]}/s, concurrency {points[0][1]}", flush=True)
+    else:
+        print(f"benchmarking {args.url}: {len(points)} points of {args.num_prompts} prompts, "
+              f"rates {args.request_rate}/s x concurrencies {args.max_concurrency}", flush=True)
+    results = asyncio.run(run_sweep(args, points, slos))
+    for point in results:
+        point.update(serve_sweep.judge_point(point, slos, q))
+    summary = serve_sweep.capacity(results, args.cost_per_hour, args.target_rate)
+    print(format_table(results[0], slos) if len(results) == 1
+          else serve_sweep.format_sweep_table(results, q))
+    if (len(results) > 1 or slos or args.cost_per_hour is not None
+            or args.target_rate is not None):
+        print(serve_sweep.format_capacity(summary, results, slos, q))
+    if args.json:
+        report = {"url": args.url, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                  "output_len": args.output_len, "slo_ms": {k: v * 1000 for k, v in slos.items()},
+                  "slo_percentile": q,
+                  "points": [{k: _finite(v) for k, v in p.items() if k != "_samples"}
+                             for p in results],
+                  "capacity": {k: _finite(v) for k, v in summary.items()}}
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+    if args.plot:
+        serve_sweep.plot(results, slos, q, args.plot)
+    return 0 if all(p["failed"] == 0 for p in results) else 1

@@ -256,6 +256,12 @@ def _bench_models(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_startup(args: argparse.Namespace) -> int:
+    from jaxserve.bench.startup_bench import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench_structured(args: argparse.Namespace) -> int:
     from jaxserve.bench.structured_bench import run_from_args
 
@@ -332,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import models_bench, offline_bench, serve_bench, structured_bench
+    from jaxserve.bench import (models_bench, offline_bench, serve_bench, startup_bench,
+                                structured_bench)
 
     bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
     serve_bench.add_arguments(bench_serve)
@@ -350,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "flooded, and the timeline of reloads under load")
     models_bench.add_arguments(bench_models)
     bench_models.set_defaults(handler=_bench_models)
+    bench_startup = bench_kinds.add_parser(
+        "startup", help="server start-up, cold then warm: time to healthy and to a first "
+                        "answer, and its phases")
+    startup_bench.add_arguments(bench_startup)
+    bench_startup.set_defaults(handler=_bench_startup)
     return parser
 
 

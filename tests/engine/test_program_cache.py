@@ -31,10 +31,11 @@ def test_engines_with_the_same_programs_share_them(tmp_path):
         hf_models.append(build_model("llama", folder, seed=seed))
         engines.append(LLM(str(folder), dtype="float32", progress=False, **SMALL_ENGINE))
         mappings.append(memory_mappings()[0])
-    held = [list(engine.engine.runner._compiled.values()) for engine in engines]
+    held = [dict(engine.engine.runner._compiled) for engine in engines]  # bucket → program
     assert len(held[0]) == 6  # (2 token buckets x 2 seq buckets + 2 decode)
     # the later engines compiled nothing: they run the first one's executables
-    assert all(a is b for other in held[1:] for a, b in zip(held[0], other))
+    assert all(other[bucket] is program for other in held[1:]
+               for bucket, program in held[0].items())
     assert process_programs() >= len(held[0])
     print(f"\nmemory mappings: before {mappings[0]}, after each engine {mappings[1:]}")
     assert mappings[3] - mappings[1] < MAPPINGS_FOR_TWO_MORE_ENGINES

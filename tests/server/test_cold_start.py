@@ -1,0 +1,30 @@
+"""Cold start: `jaxserve bench startup` starts `jaxserve serve` of the shipped model twice on
+one cache; the second start reads every program from the executable cache and is healthy
+within 3x the 5-second target (loose: the CI machine is shared; the figures are printed)."""
+
+import re
+import subprocess
+import sys
+
+from jaxserve.engine.config import EngineConfig
+
+HEALTHY_TARGET_S = 5.0
+ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+) of "
+                 r"(\d+)\s*$", re.M)
+
+
+def test_second_start_of_the_shipped_model_is_healthy_in_seconds():
+    # The default cache folder: earlier tests may have compiled these programs already.
+    cache = EngineConfig().resolved_cache_dir()
+    done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "startup",
+                           "--starts", "2", "--cache-dir", str(cache)],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout)
+    rows = ROW.findall(done.stdout)
+    assert [int(r[0]) for r in rows] == [1, 2], done.stdout
+    _, healthy, answered, load, compile_s, warmup, from_cache, programs = rows[1]
+    assert int(from_cache) == int(programs) > 0  # the second start compiled nothing
+    assert float(healthy) < 3 * HEALTHY_TARGET_S
+    assert float(answered) >= float(healthy)
+    assert "jaxserve generate (8 tokens) with the warm cache:" in done.stdout
