@@ -9,7 +9,9 @@ moment the process is launched:
 - the server's own phases from `/metrics` (`jaxserve:startup_seconds{phase}`: load, compile,
   warmup) and how many of its programs it read from the executable cache.
 Then `jaxserve generate` (8 tokens) runs once against the same, now warm, cache: its wall time
-from launch to exit. Printed as a table, one row per start.
+from launch to exit. Printed as a table, one row per start. The baseline runs next (unless
+`--no-baseline`): the same starts with `--no-executable-cache`, on a cache of their own, so
+programs are traced every start and compiled through JAX's persistent cache.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None,
                         help="jaxserve's cache folder (default: a new empty one: the first "
                              "start compiles everything)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the baseline (the same starts with --no-executable-cache, "
+                             "on their own new cache)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds a start may take before the bench gives up")
 
@@ -75,12 +80,12 @@ def _model_args(args: argparse.Namespace) -> list[str]:
             + (["--config", args.config] if args.config else []))
 
 
-def one_start(args: argparse.Namespace, env: dict[str, str]) -> dict:
+def one_start(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -> dict:
     """Launch a server, wait for health, ask one completion, read its phases, stop it."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), *_model_args(args)]
+               "--port", str(port), *_model_args(args), *extra]
     launched = time.perf_counter()
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
@@ -109,32 +114,40 @@ def one_start(args: argparse.Namespace, env: dict[str, str]) -> dict:
             "programs": int(float(programs.group(1))) if programs else -1}
 
 
-def time_generate(args: argparse.Namespace, env: dict[str, str]) -> float:
+def time_generate(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -> float:
     """Wall seconds of `jaxserve generate` (8 tokens), launch to exit."""
     launched = time.perf_counter()
     subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "It is a truth",
-                    "--max-tokens", "8", *_model_args(args)], env=env, check=True,
+                    "--max-tokens", "8", *_model_args(args), *extra], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=args.timeout)
     return time.perf_counter() - launched
 
 
+def run_mode(args: argparse.Namespace, cache: Path, extra: list[str]) -> None:
+    """`args.starts` server starts, then one `generate`, on `cache`, with `extra` flags."""
+    env = {**os.environ, "JAXSERVE_CACHE_DIR": str(cache)}
+    print(f"{'start':>5} {'healthy s':>10} {'1st answer s':>13} {'load s':>7} "
+          f"{'compile s':>10} {'warmup s':>9} {'programs from cache':>20}", flush=True)
+    for index in range(args.starts):
+        result = one_start(args, env, extra)
+        phases = result["phases"]
+        print(f"{index + 1:>5} {result['healthy_s']:>10.2f} {result['first_answer_s']:>13.2f} "
+              f"{phases.get('load', float('nan')):>7.2f} "
+              f"{phases.get('compile', float('nan')):>10.2f} "
+              f"{phases.get('warmup', float('nan')):>9.2f} "
+              f"{result['programs_from_cache']:>13} of {result['programs']:<3}", flush=True)
+    generate_s = time_generate(args, env, extra)
+    print(f"jaxserve generate (8 tokens) with the warm cache: {generate_s:.2f} s launch to exit",
+          flush=True)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as scratch:
-        cache = Path(args.cache_dir or scratch)
-        env = {**os.environ, "JAXSERVE_CACHE_DIR": str(cache)}
-        print(f"{'start':>5} {'healthy s':>10} {'1st answer s':>13} {'load s':>7} "
-              f"{'compile s':>10} {'warmup s':>9} {'programs from cache':>20}", flush=True)
-        results = []
-        for index in range(args.starts):
-            result = one_start(args, env)
-            results.append(result)
-            phases = result["phases"]
-            print(f"{index + 1:>5} {result['healthy_s']:>10.2f} {result['first_answer_s']:>13.2f} "
-                  f"{phases.get('load', float('nan')):>7.2f} "
-                  f"{phases.get('compile', float('nan')):>10.2f} "
-                  f"{phases.get('warmup', float('nan')):>9.2f} "
-                  f"{result['programs_from_cache']:>13} of {result['programs']:<3}", flush=True)
-        generate_s = time_generate(args, env)
-        print(f"jaxserve generate (8 tokens) with the warm cache: {generate_s:.2f} s launch to "
-              "exit", flush=True)
+    modes = [("with the executable cache (the default)", [])]
+    if not args.no_baseline:
+        modes.append(("baseline: --no-executable-cache (JAX's compilation cache only)",
+                      ["--no-executable-cache"]))
+    for title, extra in modes:
+        print(f"== {title}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as scratch:
+            run_mode(args, Path(args.cache_dir) if args.cache_dir else Path(scratch), extra)
     return 0

@@ -61,17 +61,24 @@ class RoutingTable:
     def weight(self, served: ServedModel) -> float:
         return self.entries[served.pinned_id].weight
 
-    def resolve(self, model: str | None, rng: random.Random) -> Route:
-        """The version for a request's `model` (`UnknownModelError` if none answers)."""
+    def versions_for(self, model: str | None) -> list[ServedModel] | None:
+        """The versions an id can name: a pinned id its one version, a name or alias all of
+        its versions in file order, None (the default model) the default name's; None if
+        the id names nothing."""
         if model is None:
             model = self.default_name
         if model in self.pinned:
-            return Route(self.pinned[model], "pinned")
-        name = self.aliases.get(model, model)
-        versions = self.versions.get(name)
+            return [self.pinned[model]]
+        return self.versions.get(self.aliases.get(model, model))
+
+    def resolve(self, model: str | None, rng: random.Random) -> Route:
+        """The version for a request's `model` (`UnknownModelError` if none answers)."""
+        versions = self.versions_for(model)
         if versions is None:
             raise UnknownModelError(f"The model `{model}` does not exist; served: "
                                     f"{self.ids()}")
+        if model in self.pinned:
+            return Route(versions[0], "pinned")
         weighted = [v for v in versions if self.weight(v) > 0]
         healthy = [v for v in weighted if v.failure is None] or weighted
         return Route(rng.choices(healthy, [self.weight(v) for v in healthy])[0], "weight")

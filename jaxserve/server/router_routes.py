@@ -169,12 +169,7 @@ def model_info(state: ServerState, served: ServedModel) -> dict:
 
 def find(state: ServerState, model: str | None) -> ServedModel | None:
     """The version an id names without the weighted draw (a name: its first version)."""
-    table = state.fleet.table
-    if model is None:
-        model = table.default_name
-    if model in table.pinned:
-        return table.pinned[model]
-    versions = table.versions.get(table.aliases.get(model, model))
+    versions = state.fleet.table.versions_for(model)
     return versions[0] if versions else None
 
 
