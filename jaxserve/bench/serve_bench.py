@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -258,6 +259,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError("--slo-percentile must be in (0, 100]")
     if args.plot:
         serve_sweep.require_pyplot()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
     if len(points) == 1:
         print(f"benchmarking {args.url}: {args.num_prompts} prompts, rate "
               f"{points[0][0]}/s, concurrency {points[0][1]}", flush=True)

@@ -200,6 +200,7 @@ def plot(points: list[dict], slos: dict[str, float], q: float, path: str) -> Non
         ax.set_title(f"{name.upper()} p{q:g} vs throughput (filled: meets the SLO)")
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("ms")
+        ax.margins(x=0.15)  # room for the labels of the outermost points
         ax.grid(alpha=0.3)
     for column, name in enumerate(("ttft", "tpot", "itl", "e2e")):
         ax = fig.add_subplot(grid[1, column])

@@ -4,6 +4,9 @@
     jaxserve serve --models models.toml   (several models and versions; see jaxserve.fleet)
     jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+    jaxserve bench serve --url URL --max-concurrency 1 4 16 --slo-ttft 2000 --slo-tpot 200 \
+        --cost-per-hour 2 --plot sweep.png
+    jaxserve bench startup [--model PATH] [--starts 2] [--no-baseline]
     jaxserve bench offline [--model PATH]
     jaxserve bench structured [--model PATH]
     jaxserve bench models [--model PATH]

@@ -24,7 +24,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -77,6 +76,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     hf_config = json.loads((src / "config.json").read_text())
     hf_config["torch_dtype"] = hf_config["dtype"] = name  # what "auto" should restore
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
+
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "params", params)
         checkpointer.wait_until_finished()
@@ -102,6 +103,8 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
             sh = sharding.named_sharding(var.get_metadata()["logical_axes"],
                                          var.get_value().shape, mesh, replicate=("kv_heads",))
         target[_key(path)] = jax.ShapeDtypeStruct(var.get_value().shape, dtype, sharding=sh)
+    import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
+
     with ocp.StandardCheckpointer() as checkpointer:
         arrays = checkpointer.restore(folder / "params", target)
     model = abstract_model(stored, dtype)
