@@ -11,8 +11,9 @@ computed *without* tracing, from everything that shapes the program:
 - the devices in mesh order (platform, kind, id) and the backend's platform version;
 - jax, jaxlib, flax and numpy versions, `XLA_FLAGS` / `LIBTPU_INIT_ARGS` and the jax options
   that change lowering (x64, default matmul precision);
-- a digest of the source of `jaxserve`, `pallas_kernels` and `sharding`: any code change is
-  a new key, so an edit never runs a stale program (at the price of one compile).
+- a digest of the source that traces the programs (`jaxserve`'s model, attention, engine and
+  loading packages and top-level modules, `pallas_kernels`, `sharding`): a change there is a
+  new key, so an edit never runs a stale program (at the price of one compile).
 
 A miss compiles as before and writes the entry. An entry that cannot be used — truncated,
 wrong checksum, not unpicklable, a different call signature, or a program that fails its
@@ -47,19 +48,25 @@ from jax.experimental import serialize_executable
 log = logging.getLogger("jaxserve.engine")
 
 FORMAT = b"jaxserve-executable-1\n"
-_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")  # whose source shapes the programs
+# The source that traces the programs: jaxserve's top-level modules (sampling limits), the
+# model, attention, engine and loading packages, the kernels and the sharding rules. The
+# server, fleet, CLI, benches and plans do not shape a program: editing them keeps entries.
+_TRACED_SOURCE = (("jaxserve", ("*.py", "model/**/*.py", "attention/**/*.py",
+                                "engine/**/*.py", "loading/**/*.py")),
+                  ("pallas_kernels", ("**/*.py",)), ("sharding", ("**/*.py",)))
 _DIGEST_LOCK = threading.Lock()
 _SOURCE_DIGEST: list[str] = []
 
 
 def source_digest() -> str:
-    """sha256 over the Python source of the packages that trace the programs (once a process)."""
+    """sha256 over the Python source that traces the programs (once a process)."""
     with _DIGEST_LOCK:
         if not _SOURCE_DIGEST:
             digest = hashlib.sha256()
-            for package in _PACKAGES:
+            for package, patterns in _TRACED_SOURCE:
                 root = Path(importlib.import_module(package).__file__).parent
-                for path in sorted(root.rglob("*.py")):
+                paths = {path for pattern in patterns for path in root.glob(pattern)}
+                for path in sorted(paths):
                     digest.update(str(path.relative_to(root.parent)).encode())
                     digest.update(path.read_bytes())
             _SOURCE_DIGEST.append(digest.hexdigest())
