@@ -45,8 +45,9 @@ only with `--metrics-need-api-key` (then the router's `/get_load` polls, which c
 are refused and `power_of_two` has no loads); `/health` never does. Before the models are
 ready they answer 503.
 
-`RequestIdMiddleware`: a request's `X-Request-Id` (1-256 visible ASCII characters) is echoed
-on its response, errors and streams included; without one (or with an unusable one) the
+`RequestIdMiddleware`: a request's `X-Request-Id` (1-256 visible ASCII characters; else, as
+the router reads them, `X-Correlation-Id`, `X-Trace-Id` or `Request-Id`) is echoed as
+`X-Request-Id` on its response, errors and streams included; without one (or with an unusable one) the
 server makes one up: a completion's body `id` (`cmpl-...`, `chatcmpl-...`), else
 `req-<hex>`. The id is recorded with the job (`Job.request_id`, logged at debug level with
 its engine request ids); the body `id` and the engine's request ids stay the server's own, so
@@ -67,6 +68,9 @@ from jaxserve.server.protocol import error_body
 from jaxserve.server.state import ServerState
 
 REQUEST_ID_HEADER = b"x-request-id"
+# Where a client's id may come from, first found wins: vllm-router's `--request-id-headers`
+# default order. It is echoed as `X-Request-Id` whichever header carried it.
+REQUEST_ID_HEADERS = (REQUEST_ID_HEADER, b"x-correlation-id", b"x-trace-id", b"request-id")
 MAX_REQUEST_ID_CHARS = 256
 
 
@@ -179,9 +183,12 @@ def status(served: ServedModel) -> str:
 
 # ---- X-Request-Id ---------------------------------------------------------------------
 def given_request_id(scope) -> str | None:
-    """The request's usable `X-Request-Id`, else None."""
-    for name, value in scope["headers"]:
-        if name == REQUEST_ID_HEADER:
+    """The request's usable id: the first of `REQUEST_ID_HEADERS` it carries (the router's
+    order), if 1-256 visible ASCII characters; else None."""
+    headers = dict(scope["headers"])  # ASGI header names are lower case
+    for name in REQUEST_ID_HEADERS:
+        value = headers.get(name)
+        if value is not None:
             if 0 < len(value) <= MAX_REQUEST_ID_CHARS and all(33 <= b <= 126 for b in value):
                 return value.decode("ascii")
             return None

@@ -169,6 +169,11 @@ def test_request_id_is_echoed_or_made(server, client):
     for unusable in ("has space", "x" * 257):
         response = httpx.get(f"{server.url}/health", headers={"X-Request-Id": unusable})
         assert response.headers["x-request-id"].startswith("req-")
+    # the router's other id headers, in its order of preference (x-request-id first)
+    assert httpx.get(f"{server.url}/health", headers={"X-Correlation-Id": "corr-7"}).headers[
+        "x-request-id"] == "corr-7"
+    both = {"Request-Id": "plain-1", "X-Trace-Id": "trace-9"}
+    assert httpx.get(f"{server.url}/health", headers=both).headers["x-request-id"] == "trace-9"
     ids = {httpx.get(f"{server.url}/health").headers["x-request-id"] for _ in range(3)}
     assert len(ids) == 3
 
