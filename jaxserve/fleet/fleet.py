@@ -59,6 +59,8 @@ class ModelFleet:
         self.timeline = Timeline()  # the latest reload's phases
         self._reload_lock = threading.Lock()
         self._drains: list[threading.Thread] = []
+        self.draining: tuple[ServedModel, ...] = ()  # removed versions still finishing requests
+        self._draining_lock = threading.Lock()  # reloads add to it, drain threads remove
 
     @property
     def table(self) -> RoutingTable | None:
@@ -124,10 +126,14 @@ class ModelFleet:
         """Stop routing to `served`; drain and free it on a background thread (which adds
         "freed" to the timeline of the reload that removed it)."""
         served.retire()
+        with self._draining_lock:  # readers see the old tuple or the new one
+            self.draining += (served,)
         timeline.mark("drain", served.pinned_id, in_flight=served.engine.num_in_flight)
 
         def drain():
             served.drain_and_close()
+            with self._draining_lock:
+                self.draining = tuple(s for s in self.draining if s is not served)
             self.metrics.detach(served.llm.engine, self.public_id(served))
             timeline.mark("freed", served.pinned_id)
 

@@ -36,7 +36,8 @@ the retry and header behaviour also checked against the 0.1.17 wheel with a stub
 
 The routes here: `GET /load` (vLLM's shape, `{"server_load": N}`) and `GET /get_load` (what
 the router reads, `{"load": N}`) answer the same body: requests running plus waiting, summed
-over every engine of the fleet, with each engine's numbers under `models`. `waiting` counts
+over every engine of the fleet (versions a reload removed that still finish their requests
+too, with `status` "draining"), with each engine's numbers under `models`. `waiting` counts
 every accepted request not running yet, those the scheduler has not picked up too (which
 `vllm:num_requests_waiting` misses while the engine is inside a step). `GET /get_server_info`
 and `GET /get_model_info` describe the served models (the first name by default;
@@ -125,8 +126,13 @@ def engine_load(served: ServedModel) -> dict:
 
 
 def load_body(state: ServerState) -> dict:
-    models = [{"model": state.fleet.public_id(served), **engine_load(served)}
-              for served in state.fleet.table.served]
+    """Every version's load, those a reload removed that still finish requests included
+    (their requests hold the devices too; `status` "draining")."""
+    fleet = state.fleet
+    models = [{"model": fleet.public_id(served), **engine_load(served)}
+              for served in fleet.table.served]
+    models += [{"model": fleet.public_id(served), **engine_load(served), "status": "draining"}
+               for served in fleet.draining]
     running = sum(m["running"] for m in models)
     waiting = sum(m["waiting"] for m in models)
     return {"server_load": running + waiting, "load": running + waiting,

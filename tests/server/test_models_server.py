@@ -206,6 +206,10 @@ def test_reloads_under_load_lose_no_request_and_free_the_old_version(server):
             wait_until(lambda: sum(served_by.values()) >= mark + 16, 120, "streams stalled")
         phases = [event["phase"] for event in answer.json()["timeline"]]
         assert phases == ["switch", "drain"]  # the last reload loads nothing, drains v1
+        # /load counts v1 while it drains (its requests still hold the device), as draining
+        draining = [m["model"] for m in httpx.get(f"{server.url}/load").json()["models"]
+                    if m["status"] == "draining"]
+        assert draining in ([], ["shipped@1"])
     finally:
         stop.set()
         for c in clients:
@@ -213,6 +217,8 @@ def test_reloads_under_load_lose_no_request_and_free_the_old_version(server):
     assert failures == []
     assert served_by["shipped@3"] > 0 and served_by["shipped@1"] > 0
     fleet.wait_drained(120)
+    assert all(m["status"] != "draining"
+               for m in httpx.get(f"{server.url}/load").json()["models"])
     assert all(a.is_deleted() for a in jax.tree.leaves(old.llm.engine.runner.caches))
     assert "shipped@1" not in fleet.table.pinned
     assert complete(server, "shipped@1").status_code == 404
