@@ -27,8 +27,13 @@ cache of the bucket programs), and a CPU executable that JAX's cache did answer 
 turned it on) is not stored. On TPU/GPU both caches are on; the first run guards the store.
 
 The store is off in multi-process runs (every process would need its own entry of a
-collective program; they compile through the persistent cache as before). Like JAX's cache,
-loading an entry runs native code from the file: the folder must be writable by its user only.
+collective program; they compile through the persistent cache as before).
+
+Trust: an entry is machine code plus JAX's pickled call signature, so loading one runs what
+the file says — the one place jaxserve unpickles (model folders and requests never are). The
+store therefore trusts only what its own user could have written: it creates its folder with
+mode 0700, and reads nothing (and warns) while the folder, or an entry, is not owned by the
+process's user or is writable by group or others. An untrusted entry is removed unread.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class ExecutableStore:
         self.loaded = 0  # programs read from the store by this process
         self.written = 0
         self.rejected = 0  # entries found unusable and removed
+        self._warned_folder = False
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.jxe"
@@ -129,10 +135,21 @@ class ExecutableStore:
         with a warning). `in_tree`: how the caller will call it; an entry called otherwise
         is unusable."""
         path = self.path(key)
+        if not path.exists():
+            return None
+        folder_problem = untrusted_reason(self.folder)
+        if folder_problem is not None:
+            if not self._warned_folder:
+                log.warning("not reading the executable cache %s: the folder %s; compiling",
+                            self.folder, folder_problem)
+                self._warned_folder = True
+            return None
+        entry_problem = untrusted_reason(path)
+        if entry_problem is not None:
+            self.reject(key, f"the file {entry_problem}")
+            return None
         try:
             blob = path.read_bytes()
-        except FileNotFoundError:
-            return None
         except OSError as err:
             log.warning("executable cache entry %s unreadable (%s); compiling", path.name, err)
             return None
@@ -155,9 +172,11 @@ class ExecutableStore:
         program that cannot be serialized or a folder that cannot be written is a warning."""
         try:
             body = pickle.dumps(serialize_executable.serialize(compiled))
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             partial = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            partial.write_bytes(FORMAT + hashlib.sha256(body).digest() + body)
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(FORMAT + hashlib.sha256(body).digest() + body)
             os.replace(partial, self.path(key))
         except Exception as err:  # noqa: BLE001 - the store is an optimization
             log.warning("could not keep a compiled program in %s (%s: %s)", self.folder,
@@ -170,7 +189,10 @@ class ExecutableStore:
         log.warning("ignoring executable cache entry %s (%s); compiling it again",
                     self.path(key).name, reason)
         self.rejected += 1
-        self.path(key).unlink(missing_ok=True)
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("could not remove %s (%s)", self.path(key).name, err)
 
     def load_or_compile(self, key: str, lower: Callable[[], jax.stages.Lowered], in_tree,
                         devices) -> tuple[jax.stages.Compiled, bool]:
@@ -186,6 +208,19 @@ class ExecutableStore:
         else:
             self.save(key, compiled)
         return compiled, False
+
+
+def untrusted_reason(path: Path) -> str | None:
+    """Why `path` (an entry or the store's folder) could hold someone else's code, or None:
+    owned by another user, or writable by group or others. (POSIX; elsewhere: None.)"""
+    if not hasattr(os, "getuid"):
+        return None
+    status = path.stat()
+    if status.st_uid != os.getuid():
+        return f"is owned by uid {status.st_uid}, not this process's user"
+    if status.st_mode & 0o022:
+        return f"is writable by group or others (mode {status.st_mode & 0o777:o})"
+    return None
 
 
 def _checked_body(blob: bytes) -> bytes:

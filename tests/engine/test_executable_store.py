@@ -90,3 +90,52 @@ def test_second_start_reads_every_program_and_unusable_entries_are_recompiled(
     fourth, stderr = start(folder, cache)  # the bad entries were replaced by good ones
     assert "ignoring executable cache entry" not in stderr
     assert fourth["from_store"] == fourth["programs"] and fourth["tokens"] == expected
+
+
+class _Trap:
+    """Unpickling this creates `path`: proof that a file was unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _plant(folder, key, marker):
+    """An entry of the right format and checksum whose body is a _Trap pickle."""
+    import hashlib
+    import pickle
+    from jaxserve.engine.executable_store import FORMAT
+    body = pickle.dumps(_Trap(marker))
+    entry = folder / f"{key}.jxe"
+    entry.write_bytes(FORMAT + hashlib.sha256(body).digest() + body)
+    return entry
+
+
+def test_entries_others_could_write_are_never_unpickled(tmp_path, caplog):
+    """Only files the process's own user wrote, in a folder only it can write, are read."""
+    import jax
+    from jaxserve.engine.executable_store import ExecutableStore
+    devices, marker = jax.devices()[:1], tmp_path / "unpickled"
+    folder = tmp_path / "executables"
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o700)
+    store = ExecutableStore(folder)
+
+    entry = _plant(folder, "a", marker)
+    entry.chmod(0o666)  # anyone could have written it: removed unread
+    assert store.load("a", None, devices) is None
+    assert not marker.exists() and not entry.exists()
+    assert "writable by group or others" in caplog.text
+
+    entry = _plant(folder, "b", marker)
+    entry.chmod(0o600)
+    folder.chmod(0o777)  # anyone could have put it there: nothing in the folder is read
+    assert store.load("b", None, devices) is None
+    assert not marker.exists() and entry.exists()
+    assert "not reading the executable cache" in caplog.text
+
+    folder.chmod(0o700)  # the control: a trusted entry is unpickled (then refused as unusable)
+    assert store.load("b", None, devices) is None
+    assert marker.exists() and store.rejected == 2
