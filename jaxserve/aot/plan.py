@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
-from jaxserve.model.config import load_config
+from jaxserve.model.config import load_config, with_quantization
+from jaxserve.model.quantization import check_platform
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
@@ -159,6 +160,9 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     model_config = load_config(model_dir)
     param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
     engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})
+    model_config = with_quantization(model_config, engine.quantization,
+                                     engine.quantize_activations)
+    check_platform(model_config.quantization, target.platform, target.accelerator or "")
     devices = compile_only_devices(target)
     indices = mesh_device_indices(engine)
     if engine.devices is not None:
@@ -178,6 +182,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "platform": target.platform, "target": target.name, "devices": target.devices,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
         "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
+        "quantization": model_config.quantization and model_config.quantization.method,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
         "max_temp_bytes_per_device": 0, "warm_up_programs": 0, "programs": [],

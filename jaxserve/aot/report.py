@@ -14,7 +14,9 @@ def _gib(value: int) -> str:
 def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
     """Header lines (target, memory per device, verdict), then one line per program."""
     lines = [
-        f"{plan['preset']}: {plan['model']} ({plan['dtype']}) on {plan['target']}, "
+        f"{plan['preset']}: {plan['model']} ({plan['dtype']}"
+        + (f", {plan['quantization']} weights" if plan.get("quantization") else "")
+        + f") on {plan['target']}, "
         f"{plan['devices']} device(s)",
         f"  per device: HBM {_gib(plan['hbm_bytes_per_device'])}, weights "
         f"{_gib(plan['weights_bytes_per_device'])}, KV cache "

@@ -31,7 +31,7 @@ from jaxserve import __version__
 # flag dest → engine option; only flags the user actually gives override the preset
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                 "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
-                "tensor_parallel_size", "data_parallel_size", "scan_layers")
+                "tensor_parallel_size", "data_parallel_size", "scan_layers", "quantization")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +53,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="run the layers as one lax.scan over stacked weights (default: "
                              "on for TPU/GPU, off on CPU)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                        help="store the weights in int8 or fp8 with per-channel scales "
+                             "(default: as the checkpoint is)")
+    parser.add_argument("--quantize-activations", action="store_true",
+                        help="with --quantization: run the matmuls int8 x int8 (or fp8 x fp8) "
+                             "on the accelerator's integer/fp8 units")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off automatic prefix caching")
     parser.add_argument("--strict-compile", action="store_true",
@@ -78,6 +84,8 @@ def flag_options(args: argparse.Namespace) -> dict:
         options["strict_compile"] = True
     if args.no_executable_cache:
         options["executable_cache"] = False
+    if args.quantize_activations:
+        options["quantize_activations"] = True
     return options
 
 
@@ -265,6 +273,12 @@ def _bench_startup(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_quality(args: argparse.Namespace) -> int:
+    from jaxserve.bench.quality_bench import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench_structured(args: argparse.Namespace) -> int:
     from jaxserve.bench.structured_bench import run_from_args
 
@@ -341,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (models_bench, offline_bench, serve_bench, startup_bench,
-                                structured_bench)
+    from jaxserve.bench import (models_bench, offline_bench, quality_bench, serve_bench,
+                                startup_bench, structured_bench)
 
     bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
     serve_bench.add_arguments(bench_serve)
@@ -365,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer, and its phases")
     startup_bench.add_arguments(bench_startup)
     bench_startup.set_defaults(handler=_bench_startup)
+    bench_quality = bench_kinds.add_parser(
+        "quality", help="quantization's accuracy: perplexity, agreement with the unquantized "
+                        "model, and weight bytes per variant")
+    quality_bench.add_arguments(bench_quality)
+    bench_quality.set_defaults(handler=_bench_quality)
     return parser
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from jaxserve.model.config import QUANTIZATION_METHODS
 from pallas_kernels.validation import SUPPORTED_PAGE_SIZES
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
@@ -31,7 +32,9 @@ class EngineConfig:
     CPU), "pallas", "cpu", or "reference" (the slow oracle); see `jaxserve.attention`.
     `executable_cache`: keep every compiled bucket program on disk whole, beside the
     compilation cache, so a restart neither traces nor compiles
-    (`jaxserve.engine.executable_store`).
+    (`jaxserve.engine.executable_store`). `quantization`: store the weights in "int8" or
+    "fp8" with per-channel scales (None: as the checkpoint is), and `quantize_activations`:
+    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`).
     """
 
     max_model_len: int = 2048
@@ -52,8 +55,13 @@ class EngineConfig:
     data_parallel_size: int = 1
     scan_layers: bool | None = None
     devices: tuple[int, ...] | None = None
+    quantization: str | None = None
+    quantize_activations: bool = False
 
     def __post_init__(self):
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or "
+                             f"None, got {self.quantization!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_decode_steps", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))

@@ -159,7 +159,7 @@ class Engine:
             model = stack_layers(model)  # consumes the per-layer arrays
         self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
-        dtype = model.embed[...].dtype
+        dtype = model.compute_dtype
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         self.num_pages = multihost.agree(choose_num_pages(
             model.config, config, dtype, local[0], config.tensor_parallel_size))

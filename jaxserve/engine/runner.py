@@ -89,18 +89,17 @@ class Runner:
         # The programs take the weights as a flat list: flattening nnx variables per call
         # would cost the host more than the rest of a small step's dispatch.
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
-        embed = model.embed.get_value()
-        abstract = isinstance(embed, jax.ShapeDtypeStruct)  # compile only
+        abstract = isinstance(model.embed.get_value(), jax.ShapeDtypeStruct)  # compile only
         cache_sh = sharding.kv_cache_sharding(mesh)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
                                       platform)
         if abstract:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
-                                          embed.dtype, model.scan_layers, cache_sh)
+                                          model.compute_dtype, model.scan_layers, cache_sh)
         else:
             self._allocate_caches = functools.partial(
-                allocate_kv_cache, model.config, num_pages, config.page_size, embed.dtype,
+                allocate_kv_cache, model.config, num_pages, config.page_size, model.compute_dtype,
                 cache_sh, model.scan_layers)
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)

@@ -13,6 +13,13 @@ the model exists. `shard_model` applies the same rules to a model already on dev
 tensor_parallel_size exceeds the kv heads, both repeat k/v heads as
 `sharding.kv_head_repeats` describes, and the model's config reports the stored head count.
 
+Quantized models (`cfg.quantization`): a float tensor of a quantized weight is quantized on
+the host as it is read (`jaxserve.model.quantization.quantize`, whole-tensor, so per-channel
+scales do not depend on the sharding) and placed as codes plus scale; a checkpoint that is
+already quantized (compressed-tensors: int8/fp8 `*.weight` with `*.weight_scale`) is placed
+as it is, its scales reshaped to the kernel's output axes. Activation scales it carries
+(`*.input_scale`) are not used: activations are quantized per token when at all.
+
 Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor; pickle
 checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
 """
@@ -35,6 +42,8 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model import LlamaModel
+from jaxserve.model.quantization import (CONTRACTED_AXES, SCALE_SUFFIX, STORAGE_DTYPES,
+                                         quantize, quantizes)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # place(array, model_path) -> jax.Array: puts a converted host tensor on device(s).
@@ -116,8 +125,37 @@ def hf_tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable | None, t
     return entries
 
 
-def _default_placer(dtype) -> Placer:
-    return lambda array, path: jax.device_put(jnp.asarray(array, dtype=dtype))
+# safetensors dtype names of 8-bit floats → numpy (ml_dtypes) types
+_FLOAT8 = {"F8_E4M3": jnp.dtype(jnp.float8_e4m3fn), "F8_E5M2": jnp.dtype(jnp.float8_e5m2)}
+
+
+def read_tensor(file: Path, reader, name: str) -> np.ndarray:
+    """Tensor `name` of an open safetensors `reader` as a host array.
+
+    safetensors' numpy (and flax) readers look float8 types up on numpy itself, which has none
+    (ml_dtypes defines them), so an fp8 tensor is read here from its byte range, which the
+    format's JSON header gives: `[8-byte header length][header][data]`."""
+    dtype = reader.get_slice(name).get_dtype()
+    if dtype not in _FLOAT8:
+        return reader.get_tensor(name)
+    with open(file, "rb") as handle:
+        header_length = int.from_bytes(handle.read(8), "little")
+        entry = json.loads(handle.read(header_length))[name]
+    begin, end = entry["data_offsets"]
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_length + begin,
+                     shape=(end - begin,))
+    return np.array(data).view(_FLOAT8[dtype]).reshape(entry["shape"])
+
+
+def _default_placer(dtypes: dict[tuple, np.dtype]) -> Placer:
+    return lambda array, path: jax.device_put(jnp.asarray(array, dtype=dtypes[path]))
+
+
+def param_dtypes(cfg: ModelConfig, dtype) -> dict[tuple, np.dtype]:
+    """Model path → the dtype each parameter is stored in (the compute dtype, or int8/fp8
+    codes and float32 scales for quantized weights)."""
+    _, state = nnx.split(abstract_model(cfg, dtype))
+    return {path: var.get_value().dtype for path, var in nnx.to_flat_state(state)}
 
 
 def sharded_config(cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, int]:
@@ -168,7 +206,7 @@ def stack_layers(model: LlamaModel) -> LlamaModel:
     parameter, not a second copy of the model."""
     if model.scan_layers:
         return model
-    cfg, dtype = model.config, model.embed.get_value().dtype
+    cfg, dtype = model.config, model.compute_dtype
     graphdef, state = nnx.split(abstract_model(cfg, dtype, scan_layers=True))
     stacked = dict(nnx.to_flat_state(state))
     per_layer = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
@@ -179,10 +217,10 @@ def stack_layers(model: LlamaModel) -> LlamaModel:
             var.set_value(per_layer.pop(path))
             continue
         first = per_layer[("layers", 0, *path[1:])]
-        shape = var.get_value().shape
+        shape, var_dtype = var.get_value().shape, var.get_value().dtype
         stacked_sharding = sharding.named_sharding(var.get_metadata()["logical_axes"], shape,
                                                    first.sharding.mesh)
-        buffer = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype),
+        buffer = jax.jit(lambda shape=shape, var_dtype=var_dtype: jnp.zeros(shape, var_dtype),
                          out_shardings=stacked_sharding)()
         for i in range(cfg.num_layers):
             layer = per_layer.pop(("layers", i, *path[1:]))
@@ -197,7 +235,7 @@ def kv_axis(path: tuple) -> int | None:
     name = path[-1]
     if name in ("k_proj", "v_proj"):
         return 1  # [E, Hkv, D]
-    if name in ("k_bias", "v_bias"):
+    if name in ("k_bias", "v_bias", "k_proj_scale", "v_proj_scale"):
         return 0  # [Hkv, D]
     return None
 
@@ -207,7 +245,7 @@ def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
     `sharded_config` says); `cfg` is the checkpoint's own config."""
     stored, repeats = sharded_config(cfg, mesh)
     shardings = param_shardings(stored, dtype, mesh)
-    np_dtype = jnp.dtype(dtype)
+    dtypes = param_dtypes(stored, dtype)
 
     def place(array: np.ndarray, path: tuple) -> jax.Array:
         axis = kv_axis(path)
@@ -216,7 +254,7 @@ def sharded_placer(cfg: ModelConfig, dtype, mesh: Mesh) -> Placer:
             shape[axis] *= repeats
         return sharding.shard_loader(
             lambda index: sharding.repeated_kv_slice(array, index, axis, repeats).astype(
-                np_dtype),
+                dtypes[path]),
             tuple(shape), shardings[path])
 
     return place
@@ -226,7 +264,7 @@ def shard_model(model: LlamaModel, mesh: Mesh) -> LlamaModel:
     """`model` with every parameter placed on `mesh` by the partition rules (a no-op for a
     model already loaded onto that mesh); kv heads are repeated if tp needs it."""
     stored, repeats = sharded_config(model.config, mesh)
-    dtype = model.embed[...].dtype
+    dtype = model.compute_dtype
     shardings = param_shardings(stored, dtype, mesh)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
@@ -247,19 +285,20 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                  mesh: Mesh | None = None) -> LlamaModel:
     """Build a `LlamaModel` whose parameters come from the folder's safetensors files.
 
-    `place` decides where each converted tensor goes (default: the default device, cast to
-    `dtype`); with `mesh`, each device receives only its shard (`sharded_placer`) and the
-    model's config is the one stored on the mesh (`sharded_config`).
+    `place` decides where each converted tensor goes (default: the default device, in the
+    parameter's dtype); with `mesh`, each device receives only its shard (`sharded_placer`)
+    and the model's config is the one stored on the mesh (`sharded_config`).
     """
     model_cfg = cfg
     if mesh is not None:
         place = sharded_placer(cfg, dtype, mesh)
         model_cfg, _ = sharded_config(cfg, mesh)
-    place = place or _default_placer(dtype)
+    place = place or _default_placer(param_dtypes(model_cfg, dtype))
     model = abstract_model(model_cfg, dtype)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
     expected = hf_tensor_map(cfg)
+    scales = _scale_entries(cfg, expected) if cfg.quantization else {}
     files = safetensors_files(model_dir)
     seen: set[str] = set()
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
@@ -267,23 +306,62 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
         for file in files:
             with safe_open(str(file), framework="numpy") as reader:
                 for name in reader.keys():
+                    if name in scales or (name.endswith(".input_scale") and scales):
+                        if name in scales:
+                            path, transform, _ = scales[name]
+                            variables[path].set_value(place(transform(read_tensor(
+                                file, reader, name)), path))
+                            seen.add(name)
+                        continue
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue  # some exporters keep the tied copy; the embedding is used
                         raise ValueError(f"unexpected tensor {name!r} in {file.name}")
                     path, transform, hf_shape = expected[name]
-                    array = reader.get_tensor(name)
+                    array = read_tensor(file, reader, name)
                     if tuple(array.shape) != hf_shape:
                         raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, "
                                          f"expected {hf_shape} from config.json")
                     if transform is not None:
                         array = transform(array)
+                    if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
+                        array, scale = quantize(array, cfg.quantization.method,
+                                                CONTRACTED_AXES[path[-1]])
+                        scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
+                        variables[scale_path].set_value(place(scale, scale_path))
+                        seen.add(name + "_scale")
                     variables[path].set_value(place(array, path))
                     seen.add(name)
                     bar.update(1)
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(expected) - seen) + sorted(set(scales) - seen)
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         raise ValueError(f"model folder {str(model_dir)!r} is missing tensor(s) {shown}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
+def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, Callable, None]]:
+    """HF scale name (`<weight>_scale`) → (model path, HF→model transform, None) for every
+    weight the model stores quantized. The checkpoint either holds them (pre-quantized: one
+    value per output channel, `[out, 1]`, or per tensor, `[1]` / `[]`) or they are made from
+    the float weight as it loads."""
+    _, state = nnx.split(abstract_model(cfg, jnp.float32))
+    shapes = {path: var.get_value().shape for path, var in nnx.to_flat_state(state)}
+    entries = {}
+    for name, (path, _, _) in expected.items():
+        if not quantizes(cfg, path[-1]):
+            continue
+        scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
+        model_shape = shapes[scale_path]
+        out_channels = int(np.prod(model_shape))
+
+        def to_model(scale, name=name, model_shape=model_shape, out_channels=out_channels):
+            flat = np.asarray(scale, np.float32).reshape(-1)
+            if flat.size not in (1, out_channels):
+                raise ValueError(f"tensor {name + '_scale'!r} has {flat.size} values; expected "
+                                 f"1 (per tensor) or {out_channels} (per output channel)")
+            return np.broadcast_to(flat, (out_channels,)).reshape(model_shape)
+
+        entries[name + "_scale"] = (scale_path, to_model, None)
+    return entries

@@ -33,6 +33,38 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+QUANTIZATION_METHODS = ("int8", "fp8")  # weight dtypes a model can be stored in
+QUANTIZABLE_WEIGHTS = ("embed", "lm_head")  # besides every linear layer's kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantization:
+    """How a model's weights are stored: `method` "int8" (symmetric, -127..127) or "fp8"
+    (float8_e4m3fn), with one float32 scale per output channel (`jaxserve.model.quantization`).
+
+    `skip`: weights kept in the compute dtype, among `QUANTIZABLE_WEIGHTS` (a pre-quantized
+    checkpoint leaves its embedding and usually its lm head unquantized). `activations`:
+    quantize each token's activations too, so the matmul runs int8 x int8 (or fp8 x fp8) on
+    the platform's integer/fp8 units; otherwise weights are widened inside the matmul."""
+
+    method: str
+    skip: tuple[str, ...] = ()
+    activations: bool = False
+
+    def __post_init__(self):
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got "
+                             f"{self.method!r}")
+        unknown = sorted(set(self.skip) - set(QUANTIZABLE_WEIGHTS))
+        if unknown:
+            raise ValueError(f"quantization skip names unknown weight(s) {unknown}; known: "
+                             f"{list(QUANTIZABLE_WEIGHTS)}")
+
+    def covers(self, name: str) -> bool:
+        """Whether the weight called `name` (e.g. "q_proj", "embed") is stored quantized."""
+        return name not in self.skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder, independent of where it was read from."""
@@ -57,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # `torch_dtype`/`dtype` as saved, used by dtype="auto"
+    quantization: WeightQuantization | None = None  # None: weights in the compute dtype
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -182,7 +215,68 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        quantization=checkpoint_quantization(hf),
     )
+
+
+def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
+    """The weight quantization a checkpoint was saved with (`quantization_config`), or None.
+
+    Supported: `compressed-tensors` (what llm-compressor writes for most published FP8/INT8
+    models) with one config group targeting `Linear`, 8-bit symmetric weights per channel or
+    per tensor, float (fp8 e4m3) or int; its `ignore` list may name `lm_head`. The embedding
+    is never quantized in this format. Anything else is a `ValueError` naming the field."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    field = "quantization_config"
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"{field}.quant_method {qc.get('quant_method')!r} is not supported; "
+                         "jaxserve reads 'compressed-tensors' checkpoints (int8/fp8 weights)")
+    if qc.get("format") not in ("float-quantized", "int-quantized", "naive-quantized"):
+        raise ValueError(f"{field}.format {qc.get('format')!r} is not supported; supported: "
+                         "float-quantized, int-quantized, naive-quantized")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{field}.config_groups: exactly one group is supported, got "
+                         f"{len(groups)}")
+    group_name, group = next(iter(groups.items()))
+    where = f"{field}.config_groups.{group_name}"
+    if group.get("targets") != ["Linear"]:
+        raise ValueError(f"{where}.targets must be ['Linear'], got {group.get('targets')!r}")
+    weights = group.get("weights") or {}
+    checks = {"num_bits": (8,), "type": ("float", "int"), "strategy": ("channel", "tensor"),
+              "symmetric": (True,), "dynamic": (False, None)}
+    for key, accepted in checks.items():
+        if weights.get(key) not in accepted:
+            raise ValueError(f"{where}.weights.{key} {weights.get(key)!r} is not supported; "
+                             f"supported: {list(accepted)}")
+    ignore = list(qc.get("ignore") or [])
+    unsupported = [name for name in ignore if name != "lm_head"]
+    if unsupported:
+        raise ValueError(f"{field}.ignore may name only 'lm_head' (every other Linear is "
+                         f"quantized here); got {unsupported}")
+    skip = ("embed", "lm_head") if ignore else ("embed",)
+    return WeightQuantization("fp8" if weights["type"] == "float" else "int8", skip)
+
+
+def with_quantization(cfg: ModelConfig, method: str | None,
+                      activations: bool = False) -> ModelConfig:
+    """`cfg` with the weight quantization a user asked for (`method` None: as the checkpoint
+    is). On-load quantization covers every linear layer, the embedding and the lm head. A
+    checkpoint already quantized keeps its own scheme; asking for another is a `ValueError`."""
+    if cfg.quantization is not None:
+        if method is not None and method != cfg.quantization.method:
+            raise ValueError(f"quantization={method!r}: this checkpoint is already quantized "
+                             f"({cfg.quantization.method}, compressed-tensors); leave "
+                             "quantization unset or give the same method")
+        return dataclasses.replace(cfg, quantization=dataclasses.replace(
+            cfg.quantization, activations=activations))
+    if method is None:
+        if activations:
+            raise ValueError("quantize_activations needs quantization ('int8' or 'fp8')")
+        return cfg
+    return dataclasses.replace(cfg, quantization=WeightQuantization(method, (), activations))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -33,7 +33,7 @@ class DenseGenerator:
 
     def __init__(self, model: LlamaModel):
         self.config = model.config
-        self.dtype = model.embed[...].dtype
+        self.dtype = model.compute_dtype
         self.graphdef, self.state = nnx.split(model)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
         self._decode = jax.jit(self._decode_impl)

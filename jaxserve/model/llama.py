@@ -11,6 +11,10 @@ Every parameter carries `logical_axes` metadata ("vocab", "embed", "heads", "kv_
 "head_dim", "mlp", "norm"); only `sharding/` maps those names to mesh axes. Kernels are stored
 `[in, out]` (heads split out as their own axis), i.e. transposed from Hugging Face's
 `[out, in]`; `jaxserve.loading.weights` does the conversion.
+
+With `cfg.quantization` the kernels (and embedding / lm head unless skipped) are stored in
+int8 or fp8 beside a float32 `<name>_scale` parameter with the kernel's output axes
+(`jaxserve.model.quantization`); every projection goes through `quantization.project`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
+                                         project, quantize, quantizes, scale_shape)
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 
 # attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
@@ -32,6 +38,21 @@ AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Ar
 def _param(rngs: nnx.Rngs, shape, dtype, axes, scale: float = 0.02) -> nnx.Param:
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def _weight(cfg: ModelConfig, name: str, rngs: nnx.Rngs, shape, dtype,
+            axes) -> tuple[nnx.Param, nnx.Param | None]:
+    """(kernel, scale) of weight `name`: scale None unless `cfg` quantizes it, in which case
+    the kernel holds the codes of a random init and the scale its output axes."""
+    if not quantizes(cfg, name):
+        return _param(rngs, shape, dtype, axes), None
+    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    method = cfg.quantization.method
+    codes, scale = quantize(value, method, CONTRACTED_AXES[name], xp=jnp)
+    out_axes = tuple(a for i, a in enumerate(axes) if i not in CONTRACTED_AXES[name])
+    assert scale.shape == scale_shape(name, shape)
+    return (nnx.Param(codes.astype(STORAGE_DTYPES[method]), logical_axes=axes),
+            nnx.Param(scale, logical_axes=out_axes))
 
 
 def _zeros(shape, dtype, axes) -> nnx.Param:
@@ -56,10 +77,15 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (e, hq, d), dtype, ("embed", "heads", "head_dim"))
-        self.k_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
-        self.v_proj = _param(rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
-        self.o_proj = _param(rngs, (hq, d, e), dtype, ("heads", "head_dim", "embed"))
+        self.q_proj, self.q_proj_scale = _weight(cfg, "q_proj", rngs, (e, hq, d), dtype,
+                                                 ("embed", "heads", "head_dim"))
+        self.k_proj, self.k_proj_scale = _weight(cfg, "k_proj", rngs, (e, hkv, d), dtype,
+                                                 ("embed", "kv_heads", "head_dim"))
+        self.v_proj, self.v_proj_scale = _weight(cfg, "v_proj", rngs, (e, hkv, d), dtype,
+                                                 ("embed", "kv_heads", "head_dim"))
+        self.o_proj, self.o_proj_scale = _weight(cfg, "o_proj", rngs, (hq, d, e), dtype,
+                                                 ("heads", "head_dim", "embed"))
+        self.quantization = cfg.quantization
         if cfg.qkv_bias:
             self.q_bias = _zeros((hq, d), dtype, ("heads", "head_dim"))
             self.k_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
@@ -75,9 +101,9 @@ class Attention(nnx.Module):
 
     def __call__(self, layer_index: int, x: jax.Array, positions: jax.Array,
                  attention: AttentionFn, layer_cache: Any) -> tuple[jax.Array, Any]:
-        q = jnp.einsum("...e,ehd->...hd", x, self.q_proj[...])  # [..., Hq, D]
-        k = jnp.einsum("...e,ehd->...hd", x, self.k_proj[...])  # [..., Hkv, D]
-        v = jnp.einsum("...e,ehd->...hd", x, self.v_proj[...])  # [..., Hkv, D]
+        q = self._project("...e,ehd->...hd", x, self.q_proj, self.q_proj_scale)  # [..., Hq, D]
+        k = self._project("...e,ehd->...hd", x, self.k_proj, self.k_proj_scale)  # [..., Hkv, D]
+        v = self._project("...e,ehd->...hd", x, self.v_proj, self.v_proj_scale)  # [..., Hkv, D]
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -89,10 +115,16 @@ class Attention(nnx.Module):
         # One [Hq * D, E] matmul: as an einsum over (h, d), XLA CPU may transpose the weight
         # (a copy of all of o_proj) in every step to suit the attention output's layout.
         out = out.astype(x.dtype).reshape(*out.shape[:-2], -1)  # [..., Hq * D]
-        out = out @ self.o_proj[...].reshape(-1, self.o_proj.shape[-1])
+        kernel = self.o_proj[...].reshape(-1, self.o_proj.shape[-1])  # [Hq * D, E]
+        scale = None if self.o_proj_scale is None else self.o_proj_scale[...]
+        out = project("...k,ke->...e", out, kernel, scale, self.quantization)
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out, layer_cache
+
+    def _project(self, spec, x, kernel: nnx.Param, scale: nnx.Param | None) -> jax.Array:
+        return project(spec, x, kernel[...], None if scale is None else scale[...],
+                       self.quantization)
 
 
 class MLP(nnx.Module):
@@ -100,9 +132,13 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         e, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _param(rngs, (e, i), dtype, ("embed", "mlp"))
-        self.up_proj = _param(rngs, (e, i), dtype, ("embed", "mlp"))
-        self.down_proj = _param(rngs, (i, e), dtype, ("mlp", "embed"))
+        self.gate_proj, self.gate_proj_scale = _weight(cfg, "gate_proj", rngs, (e, i), dtype,
+                                                       ("embed", "mlp"))
+        self.up_proj, self.up_proj_scale = _weight(cfg, "up_proj", rngs, (e, i), dtype,
+                                                   ("embed", "mlp"))
+        self.down_proj, self.down_proj_scale = _weight(cfg, "down_proj", rngs, (i, e), dtype,
+                                                       ("mlp", "embed"))
+        self.quantization = cfg.quantization
         if cfg.mlp_bias:
             self.gate_bias = _zeros((i,), dtype, ("mlp",))
             self.up_bias = _zeros((i,), dtype, ("mlp",))
@@ -110,12 +146,17 @@ class MLP(nnx.Module):
         self.mlp_bias = cfg.mlp_bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = x @ self.gate_proj[...]  # [..., I]
-        up = x @ self.up_proj[...]  # [..., I]
+        gate = self._project(x, self.gate_proj, self.gate_proj_scale)  # [..., I]
+        up = self._project(x, self.up_proj, self.up_proj_scale)  # [..., I]
         if self.mlp_bias:
             gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
-        out = (jax.nn.silu(gate) * up) @ self.down_proj[...]  # [..., E]
+        out = self._project(jax.nn.silu(gate) * up, self.down_proj,
+                            self.down_proj_scale)  # [..., E]
         return out + self.down_bias[...] if self.mlp_bias else out
+
+    def _project(self, x, kernel: nnx.Param, scale: nnx.Param | None) -> jax.Array:
+        return project("...i,io->...o", x, kernel[...], None if scale is None else scale[...],
+                       self.quantization)
 
 
 class DecoderLayer(nnx.Module):
@@ -166,7 +207,10 @@ class LlamaModel(nnx.Module):
                  scan_layers: bool = False):
         self.config = cfg
         self.scan_layers = scan_layers
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
+        self.compute_dtype = jnp.dtype(dtype)  # of activations and the KV cache
+        self.embed, self.embed_scale = _weight(cfg, "embed", rngs,
+                                               (cfg.vocab_size, cfg.hidden_size), dtype,
+                                               ("vocab", "embed"))
         if scan_layers:
             self.layers = stacked_layers(cfg, dtype, rngs)
         else:
@@ -174,15 +218,17 @@ class LlamaModel(nnx.Module):
                                     for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
-                                  ("embed", "vocab"))
+            self.lm_head, self.lm_head_scale = _weight(cfg, "lm_head", rngs,
+                                                       (cfg.hidden_size, cfg.vocab_size),
+                                                       dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
                  attention: AttentionFn) -> tuple[jax.Array, Any]:
         """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
 
         `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache."""
-        x = jnp.take(self.embed[...], token_ids, axis=0)  # [..., E]
+        x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
+                           self.compute_dtype)  # [..., E]
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -203,8 +249,15 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Hidden states `[..., E]` → float32 logits `[..., V]`."""
+        quant = self.config.quantization
         if self.config.tie_word_embeddings:
-            out = jnp.einsum("...e,ve->...v", hidden, self.embed[...])
+            out = project("...e,ve->...v", hidden, self.embed[...], _value(self.embed_scale),
+                          quant)
         else:
-            out = hidden @ self.lm_head[...]
+            out = project("...e,ev->...v", hidden, self.lm_head[...],
+                          _value(self.lm_head_scale), quant)
         return out.astype(jnp.float32)
+
+
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]

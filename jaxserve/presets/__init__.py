@@ -7,7 +7,8 @@ here, used by default on CPU).
     [plan]      model = the reference model shape the preset's numbers were planned with
                 (a folder name under `reference_models/`, or a path to a model folder)
     [mesh]      tensor_parallel_size, data_parallel_size
-    [model]     dtype, max_model_len, scan_layers
+    [model]     dtype, max_model_len, scan_layers, quantization ("int8" | "fp8"),
+                quantize_activations
     [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching
     [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
                 seq_buckets
@@ -40,7 +41,8 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hardware": {"platform": str, "devices": int, "accelerator": str},
     "plan": {"model": str},
     "mesh": {"tensor_parallel_size": int, "data_parallel_size": int},
-    "model": {"dtype": str, "max_model_len": int, "scan_layers": bool},
+    "model": {"dtype": str, "max_model_len": int, "scan_layers": bool, "quantization": str,
+              "quantize_activations": bool},
     "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
                  "enable_prefix_caching": bool},
     "batching": {"max_num_seqs": int, "max_num_batched_tokens": int, "num_decode_steps": int,

@@ -1,0 +1,117 @@
+"""Weight quantization: int8 and fp8 kernels with one scale per output channel.
+
+A quantized weight is two parameters: the kernel `w` in int8 or float8_e4m3fn, in the model's
+own layout, and `w_scale` in float32 with the kernel's output axes (e.g. q_proj `[E, Hq, D]`
+→ scale `[Hq, D]`; the embedding `[V, E]` is scaled per row, `[V]`, which serves both the
+lookup and tied logits). The real weight is `w * w_scale`, broadcast over the contracted
+axes, so with per-output-channel scales a matmul can use the narrow kernel and scale after:
+
+    x @ (w * s) == (x @ w) * s
+
+- **Weights only** (default): `w` is widened to the compute dtype inside the matmul; XLA fuses
+  the convert into the dot's operand on TPU and GPU, so HBM reads the 8-bit bytes.
+- **Activations too** (`WeightQuantization.activations`): each token's activations are
+  quantized the same way (absmax over the contracted axis), the dot runs int8 x int8 → int32
+  (TPU v5e/v6e MXU, GPU IMMA) or fp8 x fp8 → float32 (H100/H200), and both scales apply after.
+
+Scales are symmetric absmax: int8 maps the channel's largest |w| to 127 (codes -127..127),
+fp8 e4m3 to 448 (its largest finite value). A zero channel gets scale 1.
+
+Why not qwix: its PTQ provider intercepts `dot_general`/`einsum` calls made by Flax modules on
+their own parameters. This model reads raw `nnx.Param`s (`self.q_proj[...]`, reshaped for
+o_proj) so qwix kept every weight in float32 and quantized it again inside every call (tried
+with qwix 0.1.8: same parameter bytes, logits off by 0.25%); adopting it would mean rebuilding
+the model on `nnx.Linear`/`nnx.Einsum` and loading through qwix's own param tree, which the
+sharded one-tensor-at-a-time loader and the plan's abstract model do not go through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig, WeightQuantization
+
+STORAGE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+LARGEST_CODE = {"int8": 127.0, "fp8": 448.0}
+# weight name → its contracted axes, in the model's layout (`jaxserve.model.llama`)
+CONTRACTED_AXES = {"q_proj": (0,), "k_proj": (0,), "v_proj": (0,), "o_proj": (0, 1),
+                   "gate_proj": (0,), "up_proj": (0,), "down_proj": (0,), "lm_head": (0,),
+                   "embed": (1,)}
+SCALE_SUFFIX = "_scale"
+
+
+def quantizes(cfg: ModelConfig, name: str) -> bool:
+    """Whether the model of `cfg` stores weight `name` quantized."""
+    return (cfg.quantization is not None and name in CONTRACTED_AXES
+            and cfg.quantization.covers(name))
+
+
+def scale_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of weight `name`'s scale: its shape without the contracted axes."""
+    contracted = CONTRACTED_AXES[name]
+    return tuple(size for axis, size in enumerate(shape) if axis not in contracted)
+
+
+def quantize(value, method: str, contracted: tuple[int, ...], xp: Any = np):
+    """(codes, scale) of `value`: codes in the method's storage dtype with `value`'s shape,
+    float32 scale with the contracted axes removed. `xp`: numpy (the loader, on the host) or
+    jax.numpy (in a program)."""
+    value = value.astype(xp.float32)
+    largest = xp.max(xp.abs(value), axis=contracted, keepdims=True)
+    scale = xp.where(largest > 0, largest / LARGEST_CODE[method], 1.0).astype(xp.float32)
+    scaled = value / scale
+    if method == "int8":
+        codes = xp.clip(xp.round(scaled), -127, 127).astype(xp.int8)
+    else:
+        codes = xp.clip(scaled, -448.0, 448.0).astype(STORAGE_DTYPES["fp8"])
+    return codes, xp.squeeze(scale, axis=contracted)
+
+
+def dequantize(codes, scale, contracted: tuple[int, ...]) -> np.ndarray:
+    """The float32 weight that `codes` and `scale` stand for (host; tests and tools)."""
+    return np.asarray(codes, np.float32) * np.expand_dims(np.asarray(scale, np.float32),
+                                                          contracted)
+
+
+def project(spec: str, x: jax.Array, kernel: jax.Array, scale: jax.Array | None,
+            quant: WeightQuantization | None) -> jax.Array:
+    """`jnp.einsum(spec, x, weight)` for a kernel stored plainly (`scale` None) or quantized.
+    The kernel's output axes must be the result's last axes (as every projection here has),
+    so the scale broadcasts onto them; x's contracted axis is its last."""
+    if scale is None:
+        return jnp.einsum(spec, x, kernel)
+    if not quant.activations:
+        out = jnp.einsum(spec, x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (out * scale).astype(x.dtype)
+    x_codes, x_scale = quantize(x, quant.method, (x.ndim - 1,), xp=jnp)  # [..., E], [...]
+    accumulate = jnp.int32 if quant.method == "int8" else jnp.float32
+    out = jnp.einsum(spec, x_codes, kernel, preferred_element_type=accumulate)
+    x_scale = x_scale.reshape(x_scale.shape + (1,) * (out.ndim - x_scale.ndim))
+    return (out.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
+
+
+def embedding_rows(table: jax.Array, scale: jax.Array | None, token_ids: jax.Array,
+                   dtype) -> jax.Array:
+    """Rows `token_ids` of the embedding `[V, E]` (scaled per row when quantized)."""
+    rows = jnp.take(table, token_ids, axis=0)  # [..., E]
+    if scale is None:
+        return rows
+    return (rows.astype(jnp.float32) * jnp.take(scale, token_ids)[..., None]).astype(dtype)
+
+
+def check_platform(quant: WeightQuantization | None, platform: str,
+                   device_kind: str = "") -> None:
+    """`ValueError` (naming `quantization`) when the platform cannot run `quant`'s matmuls:
+    fp8 x fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+: L4, H100, H200)."""
+    if quant is None or not quant.activations or quant.method != "fp8":
+        return
+    kind = device_kind.lower()
+    if platform != "gpu" or not any(name in kind for name in ("h100", "h200", "h800", "l4",
+                                                               "l40", "b200", "gh200")):
+        raise ValueError(f"quantization: fp8 activations (fp8 x fp8 matmuls) need a GPU with "
+                         f"fp8 tensor cores (H100, H200, L4, ...); this is {platform} "
+                         f"{device_kind!r}. Use fp8 weights without activations, or int8.")
