@@ -43,6 +43,7 @@ from jaxserve.model.quantization import check_platform
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
+from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
 from jaxserve.model.config import resolve_dtype
 from jaxserve.presets import Preset
@@ -177,12 +178,14 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                                    scan_layers_for(engine, target.platform))
     stored = model.config  # as stored on the mesh (kv heads repeated when tp > Hkv)
     hbm = target.hbm_bytes()
+    cache_dtype = page_dtype(engine.kv_cache_dtype, param_dtype)
     weights = weights_bytes_per_device(model)
     result: dict[str, Any] = {
         "platform": target.platform, "target": target.name, "devices": target.devices,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
         "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
         "quantization": model_config.quantization and model_config.quantization.method,
+        "kv_cache_dtype": jnp.dtype(cache_dtype).name,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
         "max_temp_bytes_per_device": 0, "warm_up_programs": 0, "programs": [],
@@ -192,13 +195,13 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     first_in_use = taken.get(indices[0], 0)  # what the engine sizes its cache from
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
     try:
-        num_pages = pages_for_memory(stored, engine, param_dtype, hbm, first_in_use + weights,
+        num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
                                      tp)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device{_in_use_note(first_in_use)}: {err}"
         return result
-    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, param_dtype) // tp)
+    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, cache_dtype) // tp)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size)
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)

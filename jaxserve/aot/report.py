@@ -20,7 +20,8 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
         f"{plan['devices']} device(s)",
         f"  per device: HBM {_gib(plan['hbm_bytes_per_device'])}, weights "
         f"{_gib(plan['weights_bytes_per_device'])}, KV cache "
-        f"{_gib(plan['kv_cache_bytes_per_device'])} ({plan['num_pages']} pages, "
+        f"{_gib(plan['kv_cache_bytes_per_device'])} ({plan.get('kv_cache_dtype', '')} "
+        f"{plan['num_pages']} pages, "
         f"{plan['max_concurrent_tokens']} tokens), largest temporaries "
         f"{_gib(plan['max_temp_bytes_per_device'])}",
         f"  programs: {plan['warm_up_programs']} compiled per replica at warm-up, "

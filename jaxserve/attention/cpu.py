@@ -19,9 +19,9 @@ import dataclasses
 import functools
 from typing import ClassVar
 
-import pallas_kernels
 from jaxserve.attention import cpu_step
 from jaxserve.attention.backend import AttentionBackend, PagedBatch
+from pallas_kernels import kv_quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +37,14 @@ class CpuBackend(AttentionBackend):
                                   self.page_size, self.sliding_window)
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
-        out = cpu_step.ragged_attention(q, k, v, k_pages, v_pages, page_indices, metadata)
-        return out, (k_pages, v_pages)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        k_pages, v_pages, *scales = layer_cache
+        k_pool = cpu_step.PagePool(k_pages, scales[0] if scales else None)
+        v_pool = cpu_step.PagePool(v_pages, scales[1] if scales else None)
+        if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
+            k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
+        out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, metadata)
+        return out, layer_cache
 
 
 @functools.cache

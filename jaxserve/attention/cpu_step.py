@@ -100,10 +100,36 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
     return StepPlan(**arrays, sliding_window=sliding_window)
 
 
-def ragged_attention(q, k_new, v_new, k_pages, v_pages, page_indices, plan: StepPlan):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagePool:
+    """The pages of K or of V: `pages [N, page_size, Hkv, D]`, and for int8 pages their
+    scales `[N, page_size, Hkv]` (`pallas_kernels.kv_quant`)."""
+
+    pages: jax.Array
+    scales: jax.Array | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[1]
+
+    def rows(self, page_indices):
+        """`gather_rows` of these pages, dequantized: `[B, Hkv, P * page_size, D]` (float32
+        when scaled, else in the pages' dtype)."""
+        values = gather_rows(self.pages, page_indices)
+        if self.scales is None:
+            return values
+        rows, pages_per_seq = page_indices.shape
+        scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, ps, Hkv]
+        scales = scales.transpose(0, 3, 1, 2).reshape(rows, scales.shape[-1], -1)
+        return values.astype(jnp.float32) * scales[..., None]  # [B, Hkv, P * ps, D]
+
+
+def ragged_attention(q, k_new, v_new, k_pool: PagePool, v_pool: PagePool, page_indices,
+                     plan: StepPlan):
     """`ragged_paged_attention` for the step `plan` describes, the new tokens' K/V already
-    written to the pages; `k_new`, `v_new` `[T, Hkv, D]` are this step's keys and values.
-    q `[T, Hq, D]` → `[T, Hq, D]`."""
+    written to the pages; `k_new`, `v_new` `[T, Hkv, D]` are this step's keys and values as
+    the pages hold them. q `[T, Hq, D]` → `[T, Hq, D]`."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
 
@@ -114,14 +140,14 @@ def ragged_attention(q, k_new, v_new, k_pages, v_pages, page_indices, plan: Step
 
         def add_context(i, parts):
             row = plan.continued[i]
-            return _add_one_context(parts, queries, k_pages, v_pages, page_indices[row], row,
+            return _add_one_context(parts, queries, k_pool, v_pool, page_indices[row], row,
                                     plan)
 
         parts = jax.lax.fori_loop(0, plan.num_continued, add_context, parts)
         return _normalize(parts).transpose(2, 0, 1, 3).reshape(q.shape).astype(q.dtype)
 
     out = jax.lax.cond(plan.has_chunks, chunks, lambda: jnp.zeros_like(q))  # [T, Hq, D]
-    decoded = _decode_rows(q[plan.decode_first], k_pages, v_pages,
+    decoded = _decode_rows(q[plan.decode_first], k_pool, v_pool,
                            page_indices[plan.decode_order], plan.decode_bias,
                            plan.decode_row)  # [S, Hq, D], rows by length
     target = jnp.where(plan.decode_row, plan.decode_first, tokens)  # out of range: dropped
@@ -166,7 +192,7 @@ def _own_tokens(queries, k_new, v_new, own_bias):
     return _partial(scores, values)
 
 
-def _add_one_context(parts, queries, k_pages, v_pages, pages, row, plan: StepPlan):
+def _add_one_context(parts, queries, k_pool, v_pool, pages, row, plan: StepPlan):
     """Merge into `parts` the attention of sequence `row`'s tokens to its cached context
     (its page table `pages [P]`).
 
@@ -184,7 +210,7 @@ def _add_one_context(parts, queries, k_pages, v_pages, pages, row, plan: StepPla
         window = (take(queries, 2), (take(plan.seq, 0) == row) & take(plan.valid, 0),
                   take(plan.pos, 0))
         merged = _merge(jax.tree.map(lambda a: take(a, 2), parts),
-                        _context_of(*window, k_pages, v_pages, pages, plan.context[row],
+                        _context_of(*window, k_pool, v_pool, pages, plan.context[row],
                                     plan.sliding_window))
         return jax.tree.map(lambda a, m: jax.lax.dynamic_update_slice_in_dim(a, m, begin, 2),
                             parts, merged)
@@ -193,18 +219,18 @@ def _add_one_context(parts, queries, k_pages, v_pages, pages, row, plan: StepPla
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), branches, parts)
 
 
-def _context_of(queries, mine, pos, k_pages, v_pages, pages, context_len, sliding_window):
+def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_window):
     """queries `[Hkv, G, W, D]` (those with `mine [W]` set belong to the sequence, at
     positions `pos [W]`) against the first `context_len` cached tokens of page table `pages`.
     Returns a `_partial`-style triple over the W queries."""
-    page_size, pages_per_seq = k_pages.shape[1], pages.shape[0]
+    page_size, pages_per_seq = k_pool.page_size, pages.shape[0]
     per_part = -(-pages_per_seq // 4)  # pages read per loop turn
 
     def one_part(part, parts):
         column = part * per_part + jnp.arange(per_part)  # [p] page-table columns
         chosen = pages[jnp.minimum(column, pages_per_seq - 1)][None]  # [1, p]
-        keys = gather_rows(k_pages, chosen)[0].astype(jnp.float32)  # [Hkv, p * page_size, D]
-        values = gather_rows(v_pages, chosen)[0].astype(jnp.float32)
+        keys = k_pool.rows(chosen)[0].astype(jnp.float32)  # [Hkv, p * page_size, D]
+        values = v_pool.rows(chosen)[0].astype(jnp.float32)
         slot = (column[:, None] * page_size + jnp.arange(page_size)).reshape(-1)  # positions
         visible = mine[:, None] & (slot[None, :] < context_len)  # [W, p * page_size]
         if sliding_window is not None:
@@ -218,7 +244,7 @@ def _context_of(queries, mine, pos, k_pages, v_pages, pages, context_len, slidin
     return jax.lax.fori_loop(0, turns, one_part, empty)
 
 
-def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
+def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active):
     """One query per row against its cached tokens (itself included).
 
     q_rows `[S, Hq, D]`; decode_bias `[S, L]` says which slots each row sees; rows not
@@ -228,13 +254,12 @@ def _decode_rows(q_rows, k_pages, v_pages, page_indices, decode_bias, active):
     skipped. `plan_step` orders the rows by length, so a block's rows are alike."""
     rows, num_heads, head_dim = q_rows.shape
     pages_per_seq = page_indices.shape[1]
-    page_size = k_pages.shape[1]
+    page_size = k_pool.page_size
     block = math.gcd(rows, DECODE_BLOCK_ROWS)
     widths = _quarters(pages_per_seq)  # pages, ascending
 
     def attend(width, q, pages, bias):  # static width; [b, Hq, D], [b, P], [b, L]
-        return row_attention(q, gather_rows(k_pages, pages[:, :width]),
-                             gather_rows(v_pages, pages[:, :width]),
+        return row_attention(q, k_pool.rows(pages[:, :width]), v_pool.rows(pages[:, :width]),
                              bias[:, :width * page_size])
 
     branches = [lambda q, *_: jnp.zeros_like(q)] + [

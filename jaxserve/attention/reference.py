@@ -1,6 +1,7 @@
 """The reference backend: the pure-jnp oracle of `pallas_kernels.reference`, the definition
 the kernels and the CPU backend are tested against. Every query token gathers its whole page
-table, so it is slow; use it to check results, not to serve."""
+table, so it is slow; use it to check results, not to serve. Quantized pages are
+dequantized whole before it reads them: the definition of what a quantized cache holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 import pallas_kernels
+from pallas_kernels import kv_quant
 from jaxserve.attention.backend import AttentionBackend
 
 
@@ -16,8 +18,10 @@ class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "reference"
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        k_pages, v_pages = (kv_quant.dequantize(pages, scales, q.dtype) for pages, scales in
+                            zip(layer_cache[:2], layer_cache[2:] or (None, None)))
         out = pallas_kernels.reference.ragged_paged_attention(
             q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens, batch.num_seqs,
             sliding_window=self.sliding_window)
-        return out, (k_pages, v_pages)
+        return out, layer_cache

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from jaxserve.model.config import QUANTIZATION_METHODS
+from pallas_kernels.kv_quant import page_dtype
 from pallas_kernels.validation import SUPPORTED_PAGE_SIZES
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
@@ -34,7 +35,9 @@ class EngineConfig:
     compilation cache, so a restart neither traces nor compiles
     (`jaxserve.engine.executable_store`). `quantization`: store the weights in "int8" or
     "fp8" with per-channel scales (None: as the checkpoint is), and `quantize_activations`:
-    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`).
+    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`). `kv_cache_dtype`:
+    "auto" (the compute dtype), "int8" (a scale per token and kv head) or "fp8" (e4m3,
+    unscaled) pages (`pallas_kernels.kv_quant`): about twice the pages in the same memory.
     """
 
     max_model_len: int = 2048
@@ -57,8 +60,10 @@ class EngineConfig:
     devices: tuple[int, ...] | None = None
     quantization: str | None = None
     quantize_activations: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        page_dtype(self.kv_cache_dtype, "float32")  # a ValueError naming it if unknown
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or "
                              f"None, got {self.quantization!r}")

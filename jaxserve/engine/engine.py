@@ -47,6 +47,7 @@ from jaxserve.engine.batcher import StepInput, build_step_input
 from jaxserve.model.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import choose_num_pages
+from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.metrics import EngineMetrics, EngineStats, StepRecord
 from jaxserve.model import LlamaModel
 from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
@@ -159,7 +160,7 @@ class Engine:
             model = stack_layers(model)  # consumes the per-layer arrays
         self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
-        dtype = model.compute_dtype
+        dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)  # of the KV pages
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         self.num_pages = multihost.agree(choose_num_pages(
             model.config, config, dtype, local[0], config.tensor_parallel_size))

@@ -2,6 +2,11 @@
 `[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), or with stacked
 layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
+Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
+`pallas_kernels.kv_quant`): fp8 pages are the same tuple in float8_e4m3fn; int8 pages add
+a scale pool per K and V, `[num_pages, page_size, num_kv_heads]` float32, so a layer's cache
+is `(k_pages, v_pages, k_scales, v_scales)`. `dtype` below is always the pages' dtype.
+
 On a mesh the cache is split on its kv-heads axis (`sharding.kv_cache_sharding`), like the
 k/v projections that fill it; every device holds all pages of its heads, so the page
 allocator stays one global pool.
@@ -13,14 +18,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
+from pallas_kernels.kv_quant import has_scales
 from jaxserve.engine.config import EngineConfig
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
 
 def page_bytes(model: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page across all layers, keys and values."""
+    """Bytes of one page across all layers, keys and values (and their scales, for int8)."""
     per_layer = page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+    if has_scales(dtype):
+        per_layer += page_size * model.num_kv_heads * 4  # one float32 scale per token, head
     return 2 * model.num_layers * per_layer
 
 
@@ -63,11 +71,16 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     `[num_pages, page_size, Hkv, D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
     `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
     `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
-    offsets each layer's page ids)."""
+    offsets each layer's page ids). int8 pages add their scale pools `[pages, page_size,
+    Hkv]` (kv heads on axis 2, like the pages, so one sharding fits both)."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
     shape = (pages, page_size, model.num_kv_heads, model.head_dim)
     page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-    return (page, page) if scan_layers else [(page, page) for _ in range(model.num_layers)]
+    layer = (page, page)
+    if has_scales(dtype):
+        scales = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=sharding)
+        layer = (page, page, scales, scales)
+    return layer if scan_layers else [layer for _ in range(model.num_layers)]
 
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
@@ -75,6 +88,8 @@ def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
     """Zeroed caches laid out as `cache_structure` says, placed with `sharding` (default:
     the default device)."""
     structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, sharding)
-    page = jax.tree.leaves(structure)[0]  # every array has the same shape
-    zeros = jax.jit(lambda: jnp.zeros(page.shape, page.dtype), out_shardings=sharding)
-    return jax.tree.map(lambda _: zeros(), structure)
+
+    def zeros(leaf):
+        return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+
+    return jax.tree.map(zeros, structure)

@@ -56,6 +56,7 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
+from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.program_cache import compile_shared, forget
@@ -90,16 +91,17 @@ class Runner:
         # would cost the host more than the rest of a small step's dispatch.
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         abstract = isinstance(model.embed.get_value(), jax.ShapeDtypeStruct)  # compile only
+        cache_dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)
         cache_sh = sharding.kv_cache_sharding(mesh)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
                                       platform)
         if abstract:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
-                                          model.compute_dtype, model.scan_layers, cache_sh)
+                                          cache_dtype, model.scan_layers, cache_sh)
         else:
             self._allocate_caches = functools.partial(
-                allocate_kv_cache, model.config, num_pages, config.page_size, model.compute_dtype,
+                allocate_kv_cache, model.config, num_pages, config.page_size, cache_dtype,
                 cache_sh, model.scan_layers)
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
