@@ -3,7 +3,8 @@ when the program is lowered for its platform; elsewhere the Triton kernels in in
 slow but exact). The decode loop's steps (`PagedBatch.decode_only`) go straight to the decode
 kernel (`paged_attention`); other steps to `ragged_paged_attention`, which itself sends their
 one-token rows to the decode kernel. The kernels read the pages in place, so the decode loop
-carries nothing but the cache and stacked layers need only the page offsets."""
+carries nothing but the cache and stacked layers need only the page offsets. Quantized
+pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 from typing import ClassVar
 
 import pallas_kernels
+from pallas_kernels import kv_quant
 from jaxserve.attention.backend import AttentionBackend
 
 
@@ -19,13 +21,15 @@ class PallasBackend(AttentionBackend):
     name: ClassVar[str] = "pallas"
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        k_pages, v_pages = pallas_kernels.write_kv(*layer_cache, k, v, slots)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        k_pages, v_pages, *scales = layer_cache
+        scaled = dict(zip(("k_scales", "v_scales"), scales))  # int8 pages only
         if batch.decode_only:
             out = pallas_kernels.paged_attention(
                 q, k_pages, v_pages, batch.kv_lens, page_indices,
-                sliding_window=self.sliding_window)  # [S, Hq, D]
+                sliding_window=self.sliding_window, **scaled)  # [S, Hq, D]
         else:
             out = pallas_kernels.ragged_paged_attention(
                 q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
-                batch.num_seqs, sliding_window=self.sliding_window)  # [T, Hq, D]
-        return out, (k_pages, v_pages)
+                batch.num_seqs, sliding_window=self.sliding_window, **scaled)  # [T, Hq, D]
+        return out, layer_cache
