@@ -7,7 +7,10 @@ Public API:
   write_kv(k_pages, v_pages, k_new, v_new, slot_mapping)                 cache update
   reference                                                              pure-jnp oracles
 
-KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim].
+KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim], in q's
+dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
+[num_pages, page_size, num_kv_heads] float32. Every kernel reads the stored bytes and
+dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as the reference).
 
 Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
 sequence, the G query heads of a kv head as one block) and a prefill kernel
@@ -71,7 +74,8 @@ def _platform_kernel(modules, backend, interpret, call):
 
 def _prefill_fn(backend, interpret, **options):
     """Returns f(q [T, Hq, D], k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-    chunk_len) -> [T, Hq, D] for the prefill kernel (rows of no chunk: zeros)."""
+    chunk_len, k_scales, v_scales) -> [T, Hq, D] for the prefill kernel (rows of no chunk:
+    zeros; scales None unless the pages are int8)."""
     def call(module, run_interpret):
         return functools.partial(module.attention, interpret=run_interpret, **options)
     return _platform_kernel({"tpu": tpu_prefill, "gpu": gpu_prefill}, backend, interpret,
@@ -79,15 +83,16 @@ def _prefill_fn(backend, interpret, **options):
 
 
 def _decode_fn(backend, interpret, **options):
-    """Returns f(q [B, Hkv, G, D], k_pages, v_pages, page_indices, key_lo, key_hi) ->
-    [B, Hkv, G, D] for the decode kernel."""
+    """Returns f(q [B, Hkv, G, D], k_pages, v_pages, page_indices, key_lo, key_hi, k_scales,
+    v_scales) -> [B, Hkv, G, D] for the decode kernel (scales None unless the pages are
+    int8)."""
     def call(module, run_interpret):
         return functools.partial(module.attention, interpret=run_interpret, **options)
     return _platform_kernel({"tpu": tpu_decode, "gpu": gpu_decode}, backend, interpret, call)
 
 
 def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_cap,
-            sliding_window, interpret, backend):
+            sliding_window, interpret, backend, k_scales, v_scales):
     """Decode kernel on q [B, Hq, D] (token b at kv_lens[b] - 1) -> [B, Hq, D]."""
     validation.check_table_covers(kv_lens, dims)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [B]
@@ -95,7 +100,7 @@ def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_
     kernel = _decode_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap)
     batch = q.shape[0]
     q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
-    out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi)
+    out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales, v_scales)
     return out.reshape(q.shape)  # [B, Hq, D]
 
 
@@ -105,11 +110,14 @@ def _check_backend(backend):
 
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
-                    soft_cap=None, sliding_window=None, interpret=None, backend=None):
+                    soft_cap=None, sliding_window=None, interpret=None, backend=None,
+                    k_scales=None, v_scales=None):
     """Decode attention: one query token per sequence, at position kv_lens[b] - 1.
 
-    q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv, D]; kv_lens int32[B];
-    page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32 softmax).
+    q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv, D] in q's dtype, int8 or
+    float8_e4m3fn; k_scales, v_scales [N, page_size, Hkv] float32 for int8 pages only;
+    kv_lens int32[B]; page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32
+    softmax).
     sm_scale defaults to 1/sqrt(D); soft_cap: logits = c * tanh(logits / c);
     sliding_window W: keys j with pos - j < W only. kv_lens 0 gives zeros.
     """
@@ -117,18 +125,21 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
     if backend == "reference":
         return reference.paged_attention(q, k_pages, v_pages, kv_lens, page_indices,
                                          sm_scale=sm_scale, soft_cap=soft_cap,
-                                         sliding_window=sliding_window)
-    dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices)
+                                         sliding_window=sliding_window, k_scales=k_scales,
+                                         v_scales=v_scales)
+    dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
+                                   k_scales=k_scales, v_scales=v_scales)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     return _decode(q, k_pages, v_pages, kv_lens, page_indices, dims,
                    sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
                    soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
-                   backend=backend)
+                   backend=backend, k_scales=k_scales, v_scales=v_scales)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
-                           interpret=None, backend=None, q_block=None):
+                           interpret=None, backend=None, q_block=None, k_scales=None,
+                           v_scales=None):
     """Attention for a flat batch of prefill chunks and decode tokens.
 
     q [T, Hq, D]; kv_lens int32[S] (total kv length incl. this step's tokens,
@@ -138,15 +149,16 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
     q_block: query tokens per tile of the prefill kernel (default: 128 on TPU,
     `gpu_prefill.default_q_block` on GPU: 128 query rows). Sequences with one new token go to the decode
-    kernel instead.
+    kernel instead. Pages and scales as for `paged_attention`.
     """
     _check_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            k_scales=k_scales, v_scales=v_scales)
     dims = validation.check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                   num_seqs)
+                                   num_seqs, k_scales=k_scales, v_scales=v_scales)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     if q_block is not None and q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
@@ -157,12 +169,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     rows = batch_rows.split_rows(cu_q_lens, num_seqs)
     prefill = _prefill_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, q_block=q_block)
-    out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                  rows.chunk_len)  # [T, Hq, D], decode rows 0
+    out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, rows.chunk_len,
+                  k_scales, v_scales)  # [T, Hq, D], decode rows 0
     decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]
     decoded = _decode(q[decode_token], k_pages, v_pages,
                       jnp.where(rows.is_decode, kv_lens, 0), page_indices, dims,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                      interpret=interpret, backend=backend)  # [S, Hq, D]
+                      interpret=interpret, backend=backend, k_scales=k_scales,
+                      v_scales=v_scales)  # [S, Hq, D]
     return out.at[jnp.where(rows.is_decode, decode_token, num_tokens)].set(
         decoded, mode="drop")

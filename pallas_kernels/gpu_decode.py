@@ -3,9 +3,11 @@
 Grid (sequence, kv head, split). A program takes the G query heads of its kv head as one
 `[G', D]` block (G padded to the 16 rows `tl.dot` needs, not to 16 tokens) and walks the
 pages of its part of the sequence's key range one page at a time: one page-id load per
-page, then the page's `[page_size, D]` K and V rows of its head. Work is bounded by the
-sequence's own keys: pages outside `[key_lo, key_hi)` are never visited, so page-table
-entries past a sequence's pages are never read.
+page, then the page's `[page_size, D]` K and V rows of its head (int8 pages: also the
+page's `[page_size]` scales of the head; fp8 pages: their bytes), dequantized in registers
+to q's dtype (`gpu_dequant`). Work is bounded by the sequence's own keys: pages outside
+`[key_lo, key_hi)` are never visited, so page-table entries past a sequence's pages are
+never read.
 
 Split-K (flash-decoding): a small batch has too few (sequence, kv head) pairs to fill an
 H100/H200's 132 SMs, so the key range is cut into up to `splits` parts of at least
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu_dequant
 from pallas_kernels.reference import MASK_VALUE
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -56,10 +59,13 @@ def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
     return warps, stages
 
 
-def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, page_size,
-            splits, min_split_pages, sm_scale, soft_cap, precision):
-    # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. Outputs: o [G', D]
-    # (splits 1), or the partials acc [G', D], m [G'], l [G'] (float32).
+def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_size, splits,
+            min_split_pages, scaled, sm_scale, soft_cap, precision):
+    # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. refs: the scales
+    # ks_ref, vs_ref [N, page_size, Hkv] float32 (int8 pages only), then the outputs: o
+    # [G', D] (splits 1), or the partials acc [G', D], m [G'], l [G'] (float32).
+    ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    out_refs = refs[2:] if scaled else refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
     q = q_ref[...]  # [G', D]
@@ -74,8 +80,10 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, page
     def body(slot, carry):
         m, l, acc = carry  # [G'], [G'], [G', D]
         page = pt_ref[seq, slot]  # one id per page
-        k = k_ref[page, :, head, :]  # [ps, D]
-        v = v_ref[page, :, head, :]  # [ps, D]
+        k_scale = ks_ref[page, :, head] if scaled else None  # [ps]
+        v_scale = vs_ref[page, :, head] if scaled else None  # [ps]
+        k = gpu_dequant.dequantize(k_ref[page, :, head, :], k_scale, q.dtype)  # [ps, D]
+        v = gpu_dequant.dequantize(v_ref[page, :, head, :], v_scale, q.dtype)  # [ps, D]
         key_pos = slot * page_size + offsets  # [ps]
         seen = (key_pos >= key_lo) & (key_pos < key_hi)  # [ps]
         v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # rows past kv_len may hold anything
@@ -113,9 +121,10 @@ def combine(acc, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret"))
-def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, soft_cap=None,
-              splits=None, interpret=False):
-    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D].
+def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
+              v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False):
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D] (q's
+    dtype, int8 with k_scales, v_scales [N, page_size, Hkv] float32, or float8_e4m3fn).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
@@ -132,10 +141,11 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     num_warps, num_stages = launch_parameters(page_size, head_dim)
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
+    scales = () if k_scales is None else (k_scales, v_scales)
     kernel = functools.partial(
         _kernel, page_size=page_size, splits=splits,
         min_split_pages=max(1, MIN_SPLIT_KEYS // page_size) if splits > 1 else 1,
-        sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        scaled=bool(scales), sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     if splits == 1:
@@ -153,13 +163,14 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     out = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[any_spec] * 3 + [q_spec, any_spec, any_spec],
+        in_specs=[any_spec] * 3 + [q_spec] + [any_spec] * (2 + len(scales)),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention_triton",
-    )(key_lo, key_hi, page_indices, q, k_pages, v_pages)
+    )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages),
+      gpu_dequant.as_loaded(v_pages), *scales)
     if splits > 1:
         out = combine(*out).astype(q.dtype)  # [B, Hkv, G', D]
     return out[:, :, :group]  # [B, Hkv, G, D]

@@ -14,6 +14,11 @@ so page-table entries beyond it are never dereferenced), and folds them into an 
 softmax in float32 (rows of other sequences masked). No query is copied into per-sequence
 blocks. Triton software-pipelines the key loop (`num_stages`). float32 inputs are multiplied
 at full precision (IEEE, not TF32). Decode rows go to `gpu_decode` instead.
+
+Quantized pages are read as stored and dequantized in registers (`gpu_dequant`): int8 rows
+times their `[block_keys]` scales of the head (loaded with the same row indices and mask),
+fp8 rows decoded from their bytes, both rounded to q's dtype before the dots, as the
+reference rounds.
 """
 
 import functools
@@ -23,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import batch_rows
+from pallas_kernels import batch_rows, gpu_dequant
 from pallas_kernels.reference import MASK_VALUE
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -49,7 +54,10 @@ def default_q_block(group: int, head_dim: int, itemsize: int) -> int:
 
 def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages: int) -> int:
     """Keys per loop step: max(64, page_size), halved until the K and V blocks of all
-    pipeline stages fit `KV_STAGE_BYTES` of shared memory."""
+    pipeline stages fit `KV_STAGE_BYTES` of shared memory. itemsize: q's, also for quantized
+    pages (their 1-byte stages are smaller, but the tiles widened to q's dtype for the dots
+    go through shared memory too: float32 q, head_dim 256, 1-byte pages of 64 sized by the
+    pages' bytes asked an A100 for 225 KiB)."""
     block_keys = max(64, page_size)
     while (block_keys > MIN_BLOCK_KEYS
            and 2 * num_stages * block_keys * head_dim * itemsize > KV_STAGE_BYTES):
@@ -58,10 +66,13 @@ def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages:
 
 
 def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, k_ref,
-            v_ref, o_ref, *, q_block, group, page_size, block_keys, sm_scale, soft_cap,
+            v_ref, *refs, q_block, group, page_size, block_keys, scaled, sm_scale, soft_cap,
             sliding_window, precision):
     # q_ref, o_ref [R', D] (row r: token tile * q_block + r // group, rows past q_block * G
-    # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P].
+    # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P]; refs: the scales
+    # ks_ref, vs_ref [N * page_size, Hkv] float32 (int8 pages only), then o_ref.
+    ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    o_ref = refs[-1]
     tile, head = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]  # [R', D]
     rows, head_dim = q.shape
@@ -90,6 +101,13 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
             kv_idx = (kv_row[:, None], head, lanes[None, :])
             k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
             v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
+            if scaled:
+                k_scale = plgpu.load(ks_ref.at[kv_row, head], mask=in_range, other=0)  # [KB]
+                v_scale = plgpu.load(vs_ref.at[kv_row, head], mask=in_range, other=0)  # [KB]
+            else:
+                k_scale = v_scale = None
+            k = gpu_dequant.dequantize(k, k_scale, q.dtype)  # [KB, D]
+            v = gpu_dequant.dequantize(v, v_scale, q.dtype)  # [KB, D]
             scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                          preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
@@ -124,10 +142,12 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "block_keys",
                      "num_warps", "num_stages", "interpret"),
 )
-def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
-              soft_cap=None, sliding_window=None, q_block=None, block_keys=None, num_warps=None,
-              num_stages=2, interpret=False):
-    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
+              v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
+              block_keys=None, num_warps=None, num_stages=2, interpret=False):
+    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
+    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, page_size, Hkv]
+    float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
@@ -141,8 +161,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
-    if block_keys is None:
-        block_keys = default_block_keys(page_size, head_dim, k_pages.dtype.itemsize, num_stages)
+    if block_keys is None:  # sized by q's dtype: quantized tiles are widened to it for the dots
+        block_keys = default_block_keys(page_size, head_dim, q.dtype.itemsize, num_stages)
     num_tiles = pl.cdiv(num_tokens, q_block)
     rows = q_block * group
     padded_rows = max(MIN_DOT_ROWS, pl.next_power_of_2(rows))
@@ -156,24 +176,26 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
+    scales = () if k_scales is None else tuple(
+        x.reshape(num_pages * page_size, num_kv_heads) for x in (k_scales, v_scales))
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size, block_keys=block_keys,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        precision=precision)
+        scaled=bool(scales), sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     tile_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda t, h: (t, h, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[any_spec] * 6 + [tile_spec, any_spec, any_spec],
+        in_specs=[any_spec] * 6 + [tile_spec] + [any_spec] * (2 + len(scales)),
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="prefill_attention_triton",
     )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, page_indices, q_tiles,
-      k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim),
-      v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim))  # [tiles, Hkv, R', D]
+      *(gpu_dequant.as_loaded(x).reshape(num_pages * page_size, num_kv_heads, head_dim)
+        for x in (k_pages, v_pages)), *scales)  # [tiles, Hkv, R', D]
     out = out[:, :, :rows].reshape(num_tiles, num_kv_heads, q_block, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles * q_block, num_q_heads, head_dim)
     return out[:num_tokens]  # [T, Hq, D]

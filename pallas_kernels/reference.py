@@ -4,12 +4,14 @@ Same signatures and semantics as the public kernels (minus backend selection).
 They gather each sequence's pages into a contiguous K/V, build the causal /
 sliding-window / length mask explicitly and take a float32 softmax, trading
 memory (O(tokens x context)) for obviousness. Rows that attend to no key
-(kv_len 0, padding tokens, padding sequences) come out as zeros.
+(kv_len 0, padding tokens, padding sequences) come out as zeros. Quantized pages
+(`kv_quant`) are dequantized whole, to q's dtype, before anything else: the kernels
+dequantize each tile they load with the same rounding.
 """
 
 import jax.numpy as jnp
 
-from pallas_kernels import validation
+from pallas_kernels import kv_quant, validation
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -50,13 +52,22 @@ def _gather_seq(pages, page_indices):
     )
 
 
+def _dequantize(q, k_pages, v_pages, k_scales, v_scales):
+    """The page pools as q.dtype values (`kv_quant.dequantize`); pages in q's dtype as is."""
+    return (kv_quant.dequantize(k_pages, k_scales, q.dtype),
+            kv_quant.dequantize(v_pages, v_scales, q.dtype))
+
+
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
-                    soft_cap=None, sliding_window=None, interpret=None):
-    """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored."""
+                    soft_cap=None, sliding_window=None, interpret=None, k_scales=None,
+                    v_scales=None):
+    """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored. k_scales,
+    v_scales [N, page_size, Hkv] float32: int8 pages' scales."""
     del interpret
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
-                                   kernel_limits=False)
+                                   kernel_limits=False, k_scales=k_scales, v_scales=v_scales)
     validation.check_options(sm_scale, soft_cap, sliding_window)
+    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     k = _gather_seq(k_pages, page_indices)  # [B, L, Hkv, D]
     v = _gather_seq(v_pages, page_indices)  # [B, L, Hkv, D]
@@ -66,13 +77,15 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                            num_seqs, *, sm_scale=None, soft_cap=None,
-                           sliding_window=None, interpret=None):
-    """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored."""
+                           sliding_window=None, interpret=None, k_scales=None, v_scales=None):
+    """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored.
+    k_scales, v_scales [N, page_size, Hkv] float32: int8 pages' scales."""
     del interpret
     dims = validation.check_ragged(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False
-    )
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False,
+        k_scales=k_scales, v_scales=v_scales)
     validation.check_options(sm_scale, soft_cap, sliding_window)
+    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     num_tokens = q.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]

@@ -1,5 +1,10 @@
 """The block step both TPU kernels share: one copied K/V block folded into every kv head's
-online softmax (float32 running max, sum and weighted sum in VMEM scratch)."""
+online softmax (float32 running max, sum and weighted sum in VMEM scratch).
+
+Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
+its `[block_keys, 1]` scale column (a static lane slice of the copied scale block) and
+rounded to q's dtype; an fp8 tile is cast to q's dtype. So the MXU dots see exactly the
+values the reference dequantizes to (`kv_quant.dequantize`)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,24 +12,31 @@ import jax.numpy as jnp
 from pallas_kernels.reference import MASK_VALUE
 
 
+def _tile(buf, scale_buf, slot, h, dtype):
+    """Head h's keys of block `slot` of buf [2, pages_per_block, page_size, (Hkv,) D] as
+    [KB, D] in dtype, int8 codes times their scales from scale_buf [2, pages_per_block,
+    page_size, Hkv] float32 (None: no scales, a plain cast)."""
+    block_keys = buf.shape[1] * buf.shape[2]
+    tile = buf[slot] if len(buf.shape) == 4 else buf[slot, :, :, h, :]  # [ppb, ps, D]
+    if scale_buf is None:
+        return tile.reshape(block_keys, -1).astype(dtype)  # [KB, D]
+    scale = scale_buf[slot].reshape(block_keys, -1)[:, h:h + 1]  # [KB, 1]
+    return (tile.astype(jnp.float32).reshape(block_keys, -1) * scale).astype(dtype)
+
+
 def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_ref, *,
-                 sm_scale, soft_cap):
+                 sm_scale, soft_cap, k_scale_buf=None, v_scale_buf=None):
     """Folds K/V block `slot` into the running softmax of every kv head.
 
     q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D] (no head axis:
-    one kv head); mask [R or 1, KB] the keys each row sees; key_valid [KB, 1] keys in range
-    (V rows outside it are zeroed: stale VMEM may hold anything); m_ref, l_ref [Hkv, R, 1],
-    acc_ref [Hkv, R, D] float32.
+    one kv head) in q's dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf
+    [2, pages_per_block, page_size, Hkv] float32 for int8 pages; mask [R or 1, KB] the keys
+    each row sees; key_valid [KB, 1] keys in range (V rows outside it are zeroed: stale VMEM
+    may hold anything); m_ref, l_ref [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
     """
-    squeezed = len(k_buf.shape) == 4
-    block_keys = k_buf.shape[1] * k_buf.shape[2]
     for h in range(q_ref.shape[0]):
-        if squeezed:
-            k = k_buf[slot].reshape(block_keys, -1)  # [KB, D]
-            v = v_buf[slot].reshape(block_keys, -1)  # [KB, D]
-        else:
-            k = k_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
-            v = v_buf[slot, :, :, h, :].reshape(block_keys, -1)  # [KB, D]
+        k = _tile(k_buf, k_scale_buf, slot, h, q_ref.dtype)  # [KB, D]
+        v = _tile(v_buf, v_scale_buf, slot, h, q_ref.dtype)  # [KB, D]
         v = jnp.where(key_valid, v, jnp.zeros_like(v))
         scores = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale  # [R, KB]

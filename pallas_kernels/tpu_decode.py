@@ -53,14 +53,19 @@ NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves
 KV_BUFFER_BYTES = 8 << 20  # VMEM for K and V, both slots (v5e's scoped default is 16 MiB)
 
 
-def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
-            k_buf, v_buf, sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref, *,
-            batch, page_size, pages_per_block, sm_scale, soft_cap):
-    # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and k_hbm, v_hbm [N, page_size, (Hkv,) D] in
-    # HBM; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D]; sems DMA [2 (k/v), 2
+def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
+            pages_per_block, num_pools, sm_scale, soft_cap):
+    # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
+    # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
+    # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and the pools k_hbm, v_hbm
+    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, page_size, Hkv] float32)
+    # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
     # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
     # already waited for); m_ref, l_ref [Hkv, G, 1] and acc_ref [Hkv, G, D] float32.
+    pools, o_ref = refs[:num_pools], refs[num_pools]
+    buffers = refs[num_pools + 1:2 * num_pools + 1]
+    sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
     core, step = pl.program_id(0), pl.program_id(1)
     steps = pl.num_programs(1)
     seq = core * steps + step
@@ -90,8 +95,8 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
         into `slot`: its pages up to the sequence's last."""
         first, last = page_range(s)
         page0 = first + index * pages_per_block
-        tpu_copies.block_copies(rows_ref.at[row_slot], k_hbm, v_hbm, k_buf, v_buf, sems, slot,
-                                page0, jnp.minimum(last - page0, pages_per_block), start)
+        tpu_copies.block_copies(rows_ref.at[row_slot], pools, buffers, sems, slot, page0,
+                                jnp.minimum(last - page0, pages_per_block), start)
 
     # Table rows: each step's row was started by the previous step (by itself at step 0) and
     # waited for there if that step prefetched this sequence's first block.
@@ -152,8 +157,9 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
 
         mask = visible((1, block_keys), 1)  # [1, KB] for the scores
         key_valid = visible((block_keys, 1), 0)  # [KB, 1] for the V rows
-        tpu_attend.attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref,
-                                acc_ref, sm_scale=sm_scale, soft_cap=soft_cap)
+        tpu_attend.attend_block(q_ref, *buffers[:2], slot, mask, key_valid, m_ref, l_ref,
+                                acc_ref, sm_scale=sm_scale, soft_cap=soft_cap,
+                                **dict(zip(("k_scale_buf", "v_scale_buf"), buffers[2:])))
         return carry
 
     jax.lax.fori_loop(0, blocks, body, 0)
@@ -166,13 +172,15 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, k_hbm, v_hbm, o_ref,
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "pages_per_block", "interpret"),
 )
-def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, soft_cap=None,
-              pages_per_block=None, interpret=False):
-    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D].
+def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
+              v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
+              interpret=False):
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D] (q's
+    dtype, int8 with k_scales, v_scales [N, page_size, Hkv] float32, or float8_e4m3fn).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
-    sliding window are already in the range; key_hi <= key_lo: none, zeros out); page_indices int32 [B, P], entries past a
-    sequence's pages never read. key_hi must be <= P * page_size (the caller clamps).
+    sliding window are already in the range; key_hi <= key_lo: none, zeros out);
+    page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be <= P * page_size (the caller clamps).
     Returns [B, Hkv, G, D]. `interpret`: False, True or a `pltpu.InterpretParams`.
     """
     batch, num_kv_heads, group, head_dim = q.shape
@@ -181,11 +189,10 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
                                                      k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES)
+                                                     KV_BUFFER_BYTES, k_scales is not None)
     # One kv head per device: `[N, page_size, 1, D]` is laid out with the unit axis major on
     # TPU, so `[N, page_size, D]` is the same bytes (a bitcast, no relayout of the cache).
     squeezed = num_kv_heads == 1
-    page_shape = (page_size, head_dim) if squeezed else (page_size, num_kv_heads, head_dim)
     if squeezed:
         k_pages = k_pages.reshape(num_pages, page_size, head_dim)
         v_pages = v_pages.reshape(num_pages, page_size, head_dim)
@@ -199,14 +206,17 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
 
     q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    buffer = pltpu.VMEM((2, pages_per_block) + page_shape, k_pages.dtype)
+    # K, V, then (int8) their scale pools, kept [N, page_size, Hkv] even for one kv head.
+    pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
+    buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
+               for pool in pools]  # [2, pages_per_block, ...] each
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(NUM_CORES, steps),
-        in_specs=[q_spec, any_spec, any_spec, any_spec],
+        in_specs=[q_spec] + [any_spec] * (1 + len(pools)),
         out_specs=q_spec,
         scratch_shapes=[
-            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+            *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
             pltpu.SMEM((2, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SMEM((2,), jnp.int32),
             pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
@@ -215,8 +225,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
         ],
     )
     kernel = functools.partial(
-        _kernel, batch=batch, page_size=page_size,
-        pages_per_block=pages_per_block, sm_scale=sm_scale, soft_cap=soft_cap)
+        _kernel, batch=batch, page_size=page_size, pages_per_block=pages_per_block,
+        num_pools=len(pools), sm_scale=sm_scale, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -224,5 +234,5 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, *, sm_scale, so
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention_mosaic",
-    )(key_lo, key_hi, q, page_indices, k_pages, v_pages)
+    )(key_lo, key_hi, q, page_indices, *pools)
     return out[:batch]  # [B, Hkv, G, D]

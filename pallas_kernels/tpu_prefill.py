@@ -43,13 +43,19 @@ KV_BUFFER_BYTES = 4 << 20  # K and V, both slots
 VMEM_LIMIT_BYTES = 48 << 20  # tiles of 128 tokens x 32 heads need more than v5e's 16 MiB default
 
 
-def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table_hbm, k_hbm,
-            v_hbm, o_ref, k_buf, v_buf, sems, row_ref, row_sem, m_ref, l_ref, acc_ref, *,
-            q_block, group, page_size, pages_per_block, sm_scale, soft_cap, sliding_window):
-    # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and k_hbm, v_hbm
-    # [N, page_size, (Hkv,) D] in HBM; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D];
-    # sems DMA [2 (k/v), 2 (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA;
-    # m_ref, l_ref [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
+def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table_hbm, *refs,
+            q_block, group, page_size, pages_per_block, num_pools, sm_scale, soft_cap,
+            sliding_window):
+    # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
+    # row_ref, row_sem, m_ref, l_ref, acc_ref.
+    # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and the pools k_hbm, v_hbm
+    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, page_size, Hkv] float32)
+    # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
+    # (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA; m_ref, l_ref
+    # [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
+    pools, o_ref = refs[:num_pools], refs[num_pools]
+    buffers = refs[num_pools + 1:2 * num_pools + 1]
+    sems, row_ref, row_sem, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
     tile = pl.program_id(0)
     num_kv_heads, rows, _ = q_ref.shape
     block_keys = page_size * pages_per_block
@@ -72,7 +78,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
         def copy_block(index, slot, start):
             """Starts or waits for block `index`'s pages (up to the last) into `slot`."""
             page0 = first + index * pages_per_block
-            tpu_copies.block_copies(row_ref, k_hbm, v_hbm, k_buf, v_buf, sems, slot, page0,
+            tpu_copies.block_copies(row_ref, pools, buffers, sems, slot, page0,
                                     jnp.minimum(last - page0, pages_per_block), start)
 
         @pl.when(blocks > 0)
@@ -98,8 +104,9 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
                 mask &= q_pos - key_pos < sliding_window
             key_col = key0 + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)
             key_valid = (key_col >= key_lo) & (key_col < key_hi)  # [KB, 1]
-            tpu_attend.attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref,
-                                    acc_ref, sm_scale=sm_scale, soft_cap=soft_cap)
+            tpu_attend.attend_block(q_ref, *buffers[:2], slot, mask, key_valid, m_ref, l_ref,
+                                    acc_ref, sm_scale=sm_scale, soft_cap=soft_cap,
+                                    **dict(zip(("k_scale_buf", "v_scale_buf"), buffers[2:])))
             return carry
 
         jax.lax.fori_loop(0, blocks, body, 0)
@@ -115,10 +122,12 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "pages_per_block",
                      "interpret"),
 )
-def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, *, sm_scale,
-              soft_cap=None, sliding_window=None, q_block=None, pages_per_block=None,
-              interpret=False):
-    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V.
+def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
+              v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
+              pages_per_block=None, interpret=False):
+    """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
+    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, page_size, Hkv]
+    float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
@@ -133,7 +142,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
                                                      k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES)
+                                                     KV_BUFFER_BYTES, k_scales is not None)
     num_tiles = pl.cdiv(num_tokens, q_block)
     padded = num_tiles * q_block
     rows = q_block * group
@@ -141,21 +150,22 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
         num_kv_heads, padded * group, head_dim)  # [Hkv, T' * G, D]
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
-    squeezed = num_kv_heads == 1
-    page_shape = (page_size, head_dim) if squeezed else (page_size, num_kv_heads, head_dim)
-    if squeezed:  # the same bytes (see tpu_decode)
+    if num_kv_heads == 1:  # the same bytes (see tpu_decode)
         k_pages = k_pages.reshape(num_pages, page_size, head_dim)
         v_pages = v_pages.reshape(num_pages, page_size, head_dim)
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda t, *_: (0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    buffer = pltpu.VMEM((2, pages_per_block) + page_shape, k_pages.dtype)
+    # K, V, then (int8) their scale pools, kept [N, page_size, Hkv] even for one kv head.
+    pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
+    buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
+               for pool in pools]  # [2, pages_per_block, ...] each
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(num_tiles,),
-        in_specs=[q_spec, any_spec, any_spec, any_spec],
+        in_specs=[q_spec] + [any_spec] * (1 + len(pools)),
         out_specs=q_spec,
         scratch_shapes=[
-            buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+            *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
             pltpu.SMEM((pages_per_seq,), jnp.int32), pltpu.SemaphoreType.DMA(()),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -163,7 +173,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         ],
     )
     kernel = functools.partial(
-        _kernel, q_block=q_block, group=group, page_size=page_size, pages_per_block=pages_per_block, sm_scale=sm_scale,
+        _kernel, q_block=q_block, group=group, page_size=page_size,
+        pages_per_block=pages_per_block, num_pools=len(pools), sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window)
     out = pl.pallas_call(
         kernel,
@@ -173,7 +184,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=interpret,
         name="prefill_attention_mosaic",
-    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, q_heads, page_indices, k_pages,
-      v_pages)  # [Hkv, T' * G, D]
+    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, q_heads, page_indices,
+      *pools)  # [Hkv, T' * G, D]
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]  # [T, Hq, D]

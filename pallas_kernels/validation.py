@@ -2,7 +2,8 @@
 
 Every kernel entry point validates statically known shapes and dtypes here, so a
 bad call fails at trace time with a ValueError that names the offending argument
-instead of failing deep inside a Mosaic or Triton lowering.
+instead of failing deep inside a Mosaic or Triton lowering. Pages are in q's dtype or
+quantized (`kv_quant`): int8 with float32 scales, or float8_e4m3fn unscaled.
 """
 
 from typing import NamedTuple
@@ -14,6 +15,8 @@ import numpy as np
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Quantized page dtypes besides q's own (`kv_quant`): int8 pages carry scales, fp8 do not.
+QUANTIZED_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 class Dims(NamedTuple):
@@ -50,8 +53,10 @@ def check_options(sm_scale, soft_cap, sliding_window):
         raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
 
 
-def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True) -> Dims:
-    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P].
+def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scales=None,
+                v_scales=None) -> Dims:
+    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P], and
+    the scales of int8 pages (`check_scales`).
 
     kernel_limits=False skips the head_dim / page_size limits of the Pallas kernels (the
     jnp references take any size).
@@ -68,8 +73,12 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True) -> Dims:
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported (float32 or bfloat16)")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {x.dtype} must match q dtype {q.dtype}")
+        if x.dtype != q.dtype and jnp.dtype(x.dtype) not in QUANTIZED_PAGE_DTYPES:
+            raise ValueError(f"{name} dtype {x.dtype} must match q dtype {q.dtype} or be "
+                             "int8 or float8_e4m3fn")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} != k_pages dtype {k_pages.dtype}")
+    check_scales(k_pages, k_scales, v_scales)
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     num_q_heads = q.shape[1]
     if q.shape[2] != head_dim:
@@ -88,6 +97,26 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True) -> Dims:
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
 
 
+def check_scales(k_pages, k_scales, v_scales):
+    """int8 pages need both scale pools, float32 [N, page_size, Hkv] (`kv_quant`); pages of
+    any other dtype take none (a scale given for them would be silently ignored)."""
+    given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales))
+             if x is not None]
+    if k_pages.dtype != jnp.int8:
+        if given:
+            raise ValueError(f"{' and '.join(given)} given for {k_pages.dtype} pages: only "
+                             "int8 pages carry scales")
+        return
+    if len(given) < 2:
+        raise ValueError("int8 pages need k_scales and v_scales (float32 "
+                         "[num_pages, page_size, num_kv_heads])")
+    want = k_pages.shape[:3]
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x.dtype != jnp.float32 or x.shape != want:
+            raise ValueError(f"{name} must be float32{list(want)} like the pages, got "
+                             f"{x.dtype}{list(x.shape)}")
+
+
 def check_table_covers(kv_lens, dims: Dims):
     """kv_lens past what the page tables cover (P * page_size) are a ValueError when known at
     trace time (a concrete array); traced ones are clamped by the caller."""
@@ -100,8 +129,10 @@ def check_table_covers(kv_lens, dims: Dims):
                          f"({dims.pages_per_seq} pages of {dims.page_size} = {covered} keys)")
 
 
-def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True) -> Dims:
-    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits)
+def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True, *,
+                 k_scales=None, v_scales=None) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
+                       v_scales=v_scales)
     _check_int32("kv_lens", kv_lens, 1)
     batch = q.shape[0]
     if kv_lens.shape[0] != batch:
@@ -112,8 +143,9 @@ def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True)
 
 
 def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                 kernel_limits=True) -> Dims:
-    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits)
+                 kernel_limits=True, *, k_scales=None, v_scales=None) -> Dims:
+    dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
+                       v_scales=v_scales)
     _check_int32("kv_lens", kv_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
     _check_int32("num_seqs", num_seqs, 1)

@@ -7,6 +7,10 @@ only those with p - j < W). Because every row is masked by its query positions, 
 prompts can be right-padded: padded slots are written with garbage that is overwritten by the
 decode step at that position before any query can see it. Without one (`layer_cache` None,
 as training passes), queries attend causally to the step's own keys, at their positions.
+
+`kv_cache_dtype` "int8" / "fp8" makes keys and values read back as a quantized paged cache
+would give them (`pallas_kernels.kv_quant.round_trip`), so the dense path can measure what
+KV quantization costs (`jaxserve bench quality`) without pages.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import page_dtype, round_trip
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -24,10 +30,14 @@ class DenseAttention:
 
     positions: jax.Array  # [B, T] int32 position of every query token
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
     def __call__(self, layer_index, q, k, v, layer_cache):
         batch, tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[-2]
+        if self.kv_cache_dtype != "auto":
+            stored = page_dtype(self.kv_cache_dtype, k.dtype)
+            k, v = round_trip(k, stored), round_trip(v, stored)  # [B, T, Hkv, D] each
         if layer_cache is None:  # the step's own keys, at the queries' positions
             keys, values = k, v  # [B, T, Hkv, D]
             key_pos = self.positions[:, None, :]  # [B, 1, T]

@@ -1,16 +1,19 @@
 """`jaxserve bench quality`: what quantization costs in accuracy and saves in bytes.
 
 Every variant of one model — the unquantized baseline (bfloat16 by default), int8 weights,
-fp8 weights, int8 weights with int8 activations — reads the same held-out text (the shipped
-model's `heldout.txt`, or `--text`) in windows, teacher-forced, and reports:
+fp8 weights, int8 weights with int8 activations, an int8 KV cache, an fp8 KV cache — reads
+the same held-out text (the shipped model's `heldout.txt`, or `--text`) in windows,
+teacher-forced, and reports:
 - the perplexity of the text's next tokens;
 - greedy agreement: how often its most likely next token is the baseline's;
-- the bytes of its weights, and their ratio to the baseline's.
+- the bytes of its weights, and their ratio to the baseline's; the KV cache's bytes per token
+  (all layers, keys and values, scales included).
 
 Each variant loads the folder as `LLM(..., quantization=...)` would (quantized on load, one
 tensor at a time) and runs the dense path (`jaxserve.model.dense_generation`), which shares
-every weight and matmul with the serving engine but not its KV cache: KV-cache quantization
-is not among the variants yet.
+every weight and matmul with the serving engine; its keys and values are read back as a
+paged cache of `kv_cache_dtype` would give them (the engine's own quantized reads are
+tested against the same definition in tests/engine/test_kv_quantization.py).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-# (name, weight quantization, quantized activations)
-VARIANTS = (("baseline", None, False), ("int8 weights", "int8", False),
-            ("fp8 weights", "fp8", False), ("int8 weights + activations", "int8", True))
+# (name, weight quantization, quantized activations, kv_cache_dtype)
+VARIANTS = (("baseline", None, False, "auto"), ("int8 weights", "int8", False, "auto"),
+            ("fp8 weights", "fp8", False, "auto"),
+            ("int8 weights + activations", "int8", True, "auto"),
+            ("int8 KV cache", None, False, "int8"), ("fp8 KV cache", None, False, "fp8"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,18 +82,23 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
     from jaxserve.loading.tokenizer import Tokenizer
     from jaxserve.loading.weights import load_weights
     from jaxserve.model.config import load_config, with_quantization
+    from jaxserve.engine.kv_cache import page_bytes
     from jaxserve.model.dense_generation import DenseGenerator
+    from pallas_kernels.kv_quant import page_dtype
 
     windows = text_windows(Tokenizer(model_dir), text, tokens, window)
     predicted = sum(len(w) - 1 for w in windows)
     config = load_config(model_dir)
     rows, baseline = [], None
-    for name, method, activations in VARIANTS:
+    for name, method, activations, kv_cache_dtype in VARIANTS:
         started = time.perf_counter()
         model = load_weights(model_dir, with_quantization(config, method, activations),
                              jnp.dtype(dtype), progress=False)
-        nll, predictions = score(DenseGenerator(model).logits(windows), windows)
+        logits = DenseGenerator(model, kv_cache_dtype).logits(windows)
+        nll, predictions = score(logits, windows)
         row = {"variant": name, "quantization": method, "activations": activations,
+               "kv_cache_dtype": kv_cache_dtype,
+               "kv_bytes_per_token": page_bytes(config, 1, page_dtype(kv_cache_dtype, dtype)),
                "weight_bytes": weight_bytes(model), "perplexity": math.exp(nll / predicted),
                "seconds": time.perf_counter() - started}
         if baseline is None:
@@ -105,12 +115,12 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
 def format_table(result: dict) -> str:
     lines = [f"{result['model']}, {result['dtype']} compute, {result['tokens']} predicted "
              f"tokens in {result['windows']} windows",
-             f"  {'variant':<28} {'weights MiB':>11} {'x baseline':>10} {'perplexity':>10} "
-             f"{'agreement':>9}"]
+             f"  {'variant':<28} {'weights MiB':>11} {'x baseline':>10} "
+             f"{'KV B/token':>10} {'perplexity':>10} {'agreement':>9}"]
     for row in result["variants"]:
         lines.append(f"  {row['variant']:<28} {row['weight_bytes'] / 2 ** 20:>11.2f} "
-                     f"{row['bytes_ratio']:>10.3f} {row['perplexity']:>10.3f} "
-                     f"{row['agreement']:>9.4f}")
+                     f"{row['bytes_ratio']:>10.3f} {row['kv_bytes_per_token']:>10} "
+                     f"{row['perplexity']:>10.3f} {row['agreement']:>9.4f}")
     return "\n".join(lines)
 
 

@@ -31,7 +31,8 @@ from jaxserve import __version__
 # flag dest → engine option; only flags the user actually gives override the preset
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                 "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
-                "tensor_parallel_size", "data_parallel_size", "scan_layers", "quantization")
+                "tensor_parallel_size", "data_parallel_size", "scan_layers", "quantization",
+                "kv_cache_dtype")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-activations", action="store_true",
                         help="with --quantization: run the matmuls int8 x int8 (or fp8 x fp8) "
                              "on the accelerator's integer/fp8 units")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
+                        help="store the KV cache in int8 (a scale per token and head) or fp8 "
+                             "e4m3: about twice the tokens in the same memory (default auto: "
+                             "the compute dtype)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off automatic prefix caching")
     parser.add_argument("--strict-compile", action="store_true",

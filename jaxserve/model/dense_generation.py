@@ -31,8 +31,11 @@ def bucket(n: int, minimum: int = 1) -> int:
 class DenseGenerator:
     """Generates token ids for a batch of prompts with the model's weights held on device."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: LlamaModel, kv_cache_dtype: str = "auto"):
+        """`kv_cache_dtype`: keys and values read back as that KV cache holds them
+        (`jaxserve.attention.dense`)."""
         self.config = model.config
+        self.kv_cache_dtype = kv_cache_dtype
         self.dtype = model.compute_dtype
         self.graphdef, self.state = nnx.split(model)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
@@ -43,7 +46,7 @@ class DenseGenerator:
     def _forward(self, state, tokens, caches):
         model = nnx.merge(self.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
-        attention = DenseAttention(positions, self.config.sliding_window)
+        attention = DenseAttention(positions, self.config.sliding_window, self.kv_cache_dtype)
         hidden, caches = model(tokens, positions, caches, attention)  # [B, T, E]
         return model, hidden, caches
 
@@ -86,7 +89,8 @@ class DenseGenerator:
             tokens, count, done, caches = carry
             position = lengths + count - 1  # [B] position of the token being fed
             current = tokens[jnp.arange(batch), count - 1]  # [B]
-            attention = DenseAttention(position[:, None], self.config.sliding_window)
+            attention = DenseAttention(position[:, None], self.config.sliding_window,
+                                       self.kv_cache_dtype)
             hidden, caches = model(current[:, None], position[:, None], caches, attention)
             new = sample(model.logits(hidden[:, 0]), arrays, position + 1)  # [B]
             tokens = tokens.at[jnp.arange(batch), count].set(jnp.where(done, 0, new))

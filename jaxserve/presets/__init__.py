@@ -9,7 +9,8 @@ here, used by default on CPU).
     [mesh]      tensor_parallel_size, data_parallel_size
     [model]     dtype, max_model_len, scan_layers, quantization ("int8" | "fp8"),
                 quantize_activations
-    [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching
+    [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching,
+                kv_cache_dtype ("auto" | "int8" | "fp8")
     [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
                 seq_buckets
 
@@ -44,7 +45,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "model": {"dtype": str, "max_model_len": int, "scan_layers": bool, "quantization": str,
               "quantize_activations": bool},
     "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
-                 "enable_prefix_caching": bool},
+                 "enable_prefix_caching": bool, "kv_cache_dtype": str},
     "batching": {"max_num_seqs": int, "max_num_batched_tokens": int, "num_decode_steps": int,
                  "token_buckets": list, "seq_buckets": list},
 }

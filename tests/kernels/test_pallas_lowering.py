@@ -59,3 +59,28 @@ def test_write_kv_lowers_in_place(platform):
     text = exported.mlir_module()
     assert "stablehlo.scatter" in text
     assert "tf.aliasing_output" in text  # the donated caches alias the outputs
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_pages_reach_the_kernels_as_stored(platform, kind):
+    """int8 pages (with their scales) and fp8 pages go into the kernels as they are stored
+    (fp8 on CUDA: as its bytes, a bitcast): no dequantized copy of a pool in q's dtype."""
+    page_dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+    k, v, kv_lens, table = cache_structs(page_dtype)
+    scales = jax.ShapeDtypeStruct((PAGES, PS, HKV), jnp.float32)
+    q = jax.ShapeDtypeStruct((64, HQ, D), jnp.bfloat16)
+    cu_q_lens = jax.ShapeDtypeStruct((MAX_SEQS + 1,), jnp.int32)
+    num_seqs = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def attend(q, k, v, kv_lens, table, cu_q_lens, num_seqs, *pools):
+        return pk.ragged_paged_attention(q, k, v, kv_lens, table, cu_q_lens, num_seqs,
+                                         **dict(zip(("k_scales", "v_scales"), pools)))
+
+    text = export_text(attend, platform)(q, k, v, kv_lens, table, cu_q_lens, num_seqs,
+                                         *([scales] * 2 if kind == "int8" else []))
+    pool = f"tensor<{PAGES}x{PS}x{HKV}x{D}x"
+    stored = {"int8": "i8>", "fp8": "ui8>" if platform == "cuda" else "f8E4M3FN>"}[kind]
+    assert CUSTOM_CALL[platform] in text
+    assert pool + stored in text
+    assert pool + "bf16>" not in text and pool + "f32>" not in text

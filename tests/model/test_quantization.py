@@ -262,3 +262,6 @@ def test_bench_quality_against_transformers_perplexity(capsys):
     assert rows["baseline"]["perplexity"] == pytest.approx(np.exp(nll / count), rel=1e-4)
     assert rows["int8 weights"]["bytes_ratio"] <= 0.55
     assert rows["int8 weights"]["agreement"] >= 0.95 and rows["fp8 weights"]["agreement"] >= 0.9
+    assert rows["int8 KV cache"]["agreement"] >= 0.95 and rows["fp8 KV cache"]["agreement"] >= 0.9
+    float32_kv = rows["baseline"]["kv_bytes_per_token"]
+    assert rows["fp8 KV cache"]["kv_bytes_per_token"] * 4 == float32_kv

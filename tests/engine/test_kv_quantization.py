@@ -1,0 +1,133 @@
+"""A quantized KV cache through the serving engine.
+
+The reference is the dense model run eagerly with an attention written here, whose keys and
+values go through int8 / fp8 quantization done in numpy (int8: a scale per token and kv head,
+absmax / 127; fp8: e4m3 after clipping to ±448): the engine's greedy tokens must be that
+reference's, for each CPU-runnable backend. Prefix caching, preemption and tensor
+parallelism (kv heads repeated when tp exceeds them) must not change the tokens of an int8
+cache. The kernels' own quantized reads are tested in tests/kernels."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.kv_cache import page_bytes
+from jaxserve.loading.weights import load_weights
+from jaxserve.model.config import load_config
+from tiny_models import SMALL_ENGINE
+
+PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]
+NEW_TOKENS = 12
+
+
+def numpy_round_trip(x: np.ndarray, kind: str) -> np.ndarray:
+    """x `[T, Hkv, D]` as a cache of `kind` gives it back."""
+    x = x.astype(np.float32)
+    if kind == "int8":
+        largest = np.abs(x).max(axis=-1, keepdims=True)
+        scale = np.where(largest > 0, largest / 127.0, 1.0).astype(np.float32)
+        return np.clip(np.round(x / scale), -127, 127) * scale
+    return np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def quantized_dense_greedy(model, prompt, steps, kind):
+    """Greedy tokens of the dense model whose attention reads numpy-quantized K/V."""
+    def attention(layer_index, q, k, v, cache):  # q [T, Hq, D], k/v [T, Hkv, D]
+        k = numpy_round_trip(np.asarray(k), kind)
+        v = numpy_round_trip(np.asarray(v), kind)
+        q = np.asarray(q, np.float32)
+        tokens, heads, head_dim = q.shape
+        group = heads // k.shape[1]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [T, Hq, D]
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(head_dim)
+        scores = np.where(np.tril(np.ones((tokens, tokens), bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        return jnp.asarray(np.einsum("hts,shd->thd", weights, v)), cache
+
+    tokens = list(prompt)
+    for _ in range(steps):
+        ids = jnp.asarray(tokens, jnp.int32)
+        hidden, _ = model(ids, ids * 0 + jnp.arange(len(tokens)), [None] * len(model.layers),
+                          attention)
+        tokens.append(int(jnp.argmax(model.logits(hidden[-1]))))
+    return tokens[len(prompt):]
+
+
+def generate(folder, **options):
+    llm = LLM(str(folder), dtype="float32", progress=False, **{**SMALL_ENGINE, **options})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return llm, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def references(folder):
+    model = load_weights(folder, load_config(folder), jnp.float32, progress=False)
+    with jax.default_device(jax.devices("cpu")[0]):
+        return {kind: [quantized_dense_greedy(model, p, NEW_TOKENS, kind) for p in PROMPTS]
+                for kind in ("int8", "fp8")}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_engine_reads_the_cache_it_quantized(folder, references, kind, backend):
+    llm, tokens = generate(folder, kv_cache_dtype=kind, attention_backend=backend)
+    layer = llm.engine.replicas[0].runner.caches[0]
+    assert layer[0].dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+    assert len(layer) == (4 if kind == "int8" else 2)  # int8 pages carry their scales
+    assert tokens == references[kind]
+
+
+def test_prefix_cache_and_tensor_parallel_keep_int8_tokens(folder, references):
+    expected = references["int8"]
+    _, alone = generate(folder, kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert alone == expected
+    llm, cached = generate(folder, kv_cache_dtype="int8")
+    assert cached == expected
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)  # from the cache
+    assert llm.engine.stats().prefix_cache_hits > 0
+    assert [list(o.outputs[0].token_ids) for o in again] == expected
+    for tp in (2, 4):  # tp 4 > 2 kv heads: heads and their scale pools repeated
+        _, sharded = generate(folder, kv_cache_dtype="int8", tensor_parallel_size=tp)
+        assert sharded == expected, tp
+
+
+def test_eight_bit_pages_hold_about_twice_the_tokens(folder):
+    cfg = load_config(folder)
+    for head_dim, at_least in ((64, 1.88), (128, 1.93)):
+        shape = cfg.__class__(**{**cfg.__dict__, "head_dim": head_dim})
+        bf16 = page_bytes(shape, 16, jnp.bfloat16)
+        assert bf16 / page_bytes(shape, 16, jnp.float8_e4m3fn) == 2.0
+        assert bf16 / page_bytes(shape, 16, jnp.int8) >= at_least  # scales: 4 bytes a head
+
+
+def test_unknown_kv_cache_dtype_names_the_field(folder):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(str(folder), kv_cache_dtype="int4", progress=False)
+
+
+def test_preemption_rewrites_pages_and_scales(folder):
+    """A workload that preempts (20 pages for 8 sequences of up to 100 tokens) gives the tokens
+    of the same workload with room for all, on an int8 cache: recomputed pages get their
+    scales back."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 320) for _ in range(rng.choice([5, 17, 40, 70]))]
+               for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for num_pages in (20, 200):
+        llm = LLM(str(folder), dtype="float32", progress=False,
+                  **{**SMALL_ENGINE, "num_pages": num_pages, "kv_cache_dtype": "int8"})
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs.append(([list(o.outputs[0].token_ids) for o in outputs],
+                     llm.engine.stats().num_preemptions))
+    (tight, preemptions), (roomy, none) = runs
+    assert preemptions > 0 and none == 0
+    assert tight == roomy
