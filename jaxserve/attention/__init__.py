@@ -51,6 +51,12 @@ def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages
     """The configured backend for a runner on `mesh`. `model` is the config as stored (kv
     heads maybe repeated); `platform`: where the programs will run (default: JAX's default
     backend)."""
-    name = backend_name(config.attention_backend, platform or jax.default_backend())
+    platform = platform or jax.default_backend()
+    name = backend_name(config.attention_backend, platform)
+    if platform == "tpu" and config.kv_cache_dtype == "int8":
+        raise ValueError(
+            "kv_cache_dtype='int8' is not available on TPU yet: its scale pool "
+            "([pages, page_size, kv heads] float32) would be lane-padded up to 16x in HBM's "
+            "tiled layout; use kv_cache_dtype='fp8' there")
     return BACKENDS[name](page_size=config.page_size, sliding_window=model.sliding_window,
                           mesh=mesh, pages_per_layer=num_pages if scan_layers else None)
