@@ -71,6 +71,7 @@ class _EngineState:
             for phase, seconds in engine.startup_seconds.items():
                 startup.add_metric([model_name, phase], seconds)
         yield startup
+        yield from _config_info(self.engines)
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
             yield GaugeMetricFamily("jaxserve:memory_mappings",
@@ -79,6 +80,26 @@ class _EngineState:
                 "jaxserve:memory_mappings_limit",
                 "The kernel's limit on a process's memory mappings (vm.max_map_count).",
                 mappings[1])
+
+
+def _config_info(engines: dict[str, Engine]):
+    """Info gauges (value 1, the settings in labels): vLLM's `vllm:cache_config_info` (page
+    size, count and dtype of the KV cache) and how the weights are stored."""
+    cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
+                              labels=["model_name", "block_size", "num_gpu_blocks",
+                                      "cache_dtype"])
+    weights = GaugeMetricFamily("jaxserve:quantization_info",
+                                "How the weights are stored: quantization method (none, int8, "
+                                "fp8) and whether activations are quantized too.",
+                                labels=["model_name", "quantization", "activations"])
+    for model_name, engine in list(engines.items()):
+        cache.add_metric([model_name, str(engine.config.page_size), str(engine.num_pages),
+                          engine.config.kv_cache_dtype], 1)
+        quant = engine.model_config.quantization
+        weights.add_metric([model_name, quant.method if quant else "none",
+                            str(bool(quant and quant.activations)).lower()], 1)
+    yield cache
+    yield weights
 
 
 class PrometheusMetrics:

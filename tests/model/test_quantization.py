@@ -21,6 +21,7 @@ from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import WeightQuantization, load_config, with_quantization
 from jaxserve.model.dense_generation import DenseGenerator
 from jaxserve.model.quantization import check_platform, project, quantize
+from jaxserve.server.prometheus import PrometheusMetrics
 from tiny_models import SMALL_ENGINE, build_model
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]
@@ -181,6 +182,13 @@ def test_engine_on_compressed_tensors_generates_transformers_tokens(tmp_path):
                                     do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(prompt):].tolist()
         assert output.outputs[0].token_ids == reference
+    metrics = PrometheusMetrics()
+    metrics.attach(llm.engine, "fp8-model")
+    text = metrics.render().decode()
+    assert ('jaxserve:quantization_info{activations="false",model_name="fp8-model",'
+            'quantization="fp8"} 1.0') in text
+    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",model_name="fp8-model",'
+            f'num_gpu_blocks="{llm.engine.num_pages}"}} 1.0') in text
 
 
 def _heldout_ids(length=512):
