@@ -148,8 +148,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     attends causally. Rows past cu_q_lens[num_seqs] and sequences >= num_seqs are
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
     q_block: query tokens per tile of the prefill kernel (default: 128 on TPU,
-    `gpu_prefill.default_q_block` on GPU: 128 query rows). Sequences with one new token go to the decode
-    kernel instead. Pages and scales as for `paged_attention`.
+    `gpu_prefill.default_q_block` on GPU: 128 query rows). Sequences with one new token go
+    to the decode kernel instead. Pages and scales as for `paged_attention`.
     """
     _check_backend(backend)
     if backend == "reference":

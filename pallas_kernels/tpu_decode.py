@@ -18,6 +18,12 @@ entries in use are copied into SMEM one step ahead (double-buffered, `tpu_copies
 past `key_hi` inside the last page are masked, and their V rows zeroed, so stale VMEM never
 reaches the output.
 
+Quantized pages (`kv_quant`) are copied as stored (int8 or fp8: half a bf16 page) and
+dequantized per head in VMEM (`tpu_attend`). int8 pages bring their `[page_size, Hkv]`
+float32 scales along: one more copy per page for each of K and V (four per page instead of
+two), into two-slot buffers of their own that the VMEM budget counts (a scale row fills 128
+lanes). The scale pool stays `[N, page_size, Hkv]` with one kv head too (`[N, page_size, 1]`).
+
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
 sublane tile itself, no query is replicated. Softmax in float32; scores and the weighted sum
@@ -36,7 +42,11 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   no copy of the cache. Left to the cache-layout work: with 2-4 kv heads the VMEM block's
   `(Hkv, D)` tile is sublane-padded and each head is a strided load (RPA v3's fused, packed
   pages avoid both), and head_dim 64 (or float32 head_dim 256) makes XLA copy the whole
-  cache into the kernel's layout on every call.
+  cache into the kernel's layout on every call. Likewise int8 pages' scale pools: XLA:TPU
+  lays a float32 `[N, page_size, Hkv]` array out with N minor (as any array whose minor dim
+  is under 128), the per-page copies need it row-major, so XLA relays both scale pools out
+  on every call, padded to 128 lanes (16x the pool with 8 kv heads, 128x with one). A scale
+  pool whose rows hold a page's scales in whole 128-lane rows would be read in place.
 """
 
 import functools
@@ -180,8 +190,9 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
-    page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be <= P * page_size (the caller clamps).
-    Returns [B, Hkv, G, D]. `interpret`: False, True or a `pltpu.InterpretParams`.
+    page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be
+    <= P * page_size (the caller clamps). Returns [B, Hkv, G, D]. `interpret`: False, True or
+    a `pltpu.InterpretParams`.
     """
     batch, num_kv_heads, group, head_dim = q.shape
     num_pages, page_size = k_pages.shape[:2]

@@ -22,6 +22,8 @@ clipped to the pages that hold the sequence's keys, so table entries past them a
 read; V rows past the range zeroed. Unlike the decode kernel there is no prefetch across
 sequences or tiles: each sequence's first block is waited for before it computes, a latency
 that a tile's compute (q_block * G rows a block) amortises except for very short chunks.
+Quantized pages as in `tpu_decode`: copied as stored (int8 with their scale pages, four
+copies per page instead of two) and dequantized per head in VMEM.
 
 Relation to RPA v3: like it, one kernel walks sequences inside a step with manual
 double-buffered page copies; unlike it, the tiles are fixed windows of the flat batch (not

@@ -156,3 +156,41 @@ def test_stacked_layers_lower_one_copy_of_the_layer(scan_layers):
         assert kernel_calls[0] == kernel_calls[1] >= 1
     else:
         assert kernel_calls[1] == 3 * kernel_calls[0]
+
+
+def tiny_int8_weight_bytes() -> int:
+    """int8 codes of every kernel, the embedding and the lm head, one float32 scale per output
+    channel, bfloat16 norms."""
+    e, i, v, hq, hkv, d, layers = (TINY[k] for k in (
+        "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "num_hidden_layers"))
+    codes = e * hq * d * 2 + e * hkv * d * 2 + 3 * e * i  # q, o; k, v; gate, up, down
+    scales = hq * d + 2 * hkv * d + e + 2 * i + e  # q; k, v; o; gate, up; down
+    per_layer = codes + 4 * scales + 2 * 2 * e  # and two norms
+    return 2 * v * e + 4 * 2 * v + 2 * e + layers * per_layer
+
+
+@pytest.mark.parametrize("platform,accelerator,kv", [("tpu", "v5e", "fp8"),
+                                                     ("gpu", "h100", "int8")])
+def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accelerator, kv):
+    """int8 weights and an 8-bit KV cache compile for TPU and GPU; weights and pages as
+    computed here from the shapes (int8 pages add a float32 scale per token and head)."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator))
+    code, plan = run_plan("--config", preset, "--model", tiny, "--quantization", "int8",
+                          "--kv-cache-dtype", kv)
+    assert code == 0, plan["reason"]
+    assert plan["quantization"] == "int8" and plan["weights_bytes_per_device"] == \
+        tiny_int8_weight_bytes()
+    per_token_head = 128 + (4 if kv == "int8" else 0)
+    page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * per_token_head
+    assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
+    assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
+
+
+def test_int8_kv_cache_on_tpu_is_refused_with_the_reason(tiny, tmp_path, capsys):
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v5e"))
+    assert main(["plan", "--config", str(preset), "--model", str(tiny),
+                 "--kv-cache-dtype", "int8"]) == 2
+    assert "kv_cache_dtype='int8' is not available on TPU" in capsys.readouterr().err

