@@ -15,6 +15,7 @@ cache, so a step reads back exactly what later steps will (`round_trip`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_write import write_kv
@@ -67,14 +68,26 @@ def round_trip(x, dtype):
     return dequantize(codes, scales, x.dtype)
 
 
-def write(layer_cache: tuple, k_new, v_new, slot_mapping) -> tuple:
+def write(layer_cache: tuple, k_new, v_new, slot_mapping, fp8_as_bytes: bool = False) -> tuple:
     """Write token t's K/V (`[T, Hkv, D]`) to slot `slot_mapping[t]` of a layer's cache (a
     2- or 4-tuple as above), quantizing them for the pages' dtype; negative slots are not
-    written. Returns the updated tuple."""
+    written. Returns the updated tuple.
+
+    `fp8_as_bytes`: scatter fp8 codes into the pages viewed as int8 (free bitcasts). XLA:CPU
+    has no fp8 scatter and widens the whole pool for one (batch-1 decode of the shipped model
+    ran at 43 tokens/s instead of about 1,300); on TPU the bitcasts cost a relayout instead,
+    so only the CPU backend asks for it."""
     k_pages, v_pages = layer_cache[:2]
     k_codes, k_scale = quantize_tokens(k_new, k_pages.dtype)
     v_codes, v_scale = quantize_tokens(v_new, v_pages.dtype)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_codes, v_codes, slot_mapping)
+    stored = k_pages.dtype
+    if fp8_as_bytes and stored == KV_CACHE_DTYPES["fp8"]:
+        as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.int8)  # noqa: E731
+        k_pages, v_pages = write_kv(as_bytes(k_pages), as_bytes(v_pages), as_bytes(k_codes),
+                                    as_bytes(v_codes), slot_mapping)
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(x, stored) for x in (k_pages, v_pages))
+    else:
+        k_pages, v_pages = write_kv(k_pages, v_pages, k_codes, v_codes, slot_mapping)
     if len(layer_cache) == 2:
         return k_pages, v_pages
     k_scales, v_scales = layer_cache[2:]

@@ -37,7 +37,7 @@ class CpuBackend(AttentionBackend):
                                   self.page_size, self.sliding_window)
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots, fp8_as_bytes=True)
         k_pages, v_pages, *scales = layer_cache
         k_pool = cpu_step.PagePool(k_pages, scales[0] if scales else None)
         v_pool = cpu_step.PagePool(v_pages, scales[1] if scales else None)
