@@ -254,42 +254,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan["fits"] else 1
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from jaxserve.bench.serve_bench import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_offline(args: argparse.Namespace) -> int:
-    from jaxserve.bench.offline_bench import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_models(args: argparse.Namespace) -> int:
-    from jaxserve.bench.models_bench import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_startup(args: argparse.Namespace) -> int:
-    from jaxserve.bench.startup_bench import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_quality(args: argparse.Namespace) -> int:
-    from jaxserve.bench.quality_bench import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_structured(args: argparse.Namespace) -> int:
-    from jaxserve.bench.structured_bench import run_from_args
-
-    return run_from_args(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference runtime in JAX/XLA for TPUs and GPUs.")
@@ -363,32 +327,22 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench import (models_bench, offline_bench, quality_bench, serve_bench,
                                 startup_bench, structured_bench)
 
-    bench_serve = bench_kinds.add_parser("serve", help="load-test a running server")
-    serve_bench.add_arguments(bench_serve)
-    bench_serve.set_defaults(handler=_bench_serve)
-    bench_offline = bench_kinds.add_parser(
-        "offline", help="generation throughput vs transformers, decode roofline")
-    offline_bench.add_arguments(bench_offline)
-    bench_offline.set_defaults(handler=_bench_offline)
-    bench_structured = bench_kinds.add_parser(
-        "structured", help="structured output's cost: free vs constrained requests")
-    structured_bench.add_arguments(bench_structured)
-    bench_structured.set_defaults(handler=_bench_structured)
-    bench_models = bench_kinds.add_parser(
-        "models", help="several models in one server: a quiet model's TTFT while another is "
-                       "flooded, and the timeline of reloads under load")
-    models_bench.add_arguments(bench_models)
-    bench_models.set_defaults(handler=_bench_models)
-    bench_startup = bench_kinds.add_parser(
-        "startup", help="server start-up, cold then warm: time to healthy and to a first "
-                        "answer, and its phases")
-    startup_bench.add_arguments(bench_startup)
-    bench_startup.set_defaults(handler=_bench_startup)
-    bench_quality = bench_kinds.add_parser(
-        "quality", help="quantization's accuracy: perplexity, agreement with the unquantized "
-                        "model, and weight bytes per variant")
-    quality_bench.add_arguments(bench_quality)
-    bench_quality.set_defaults(handler=_bench_quality)
+    benches = {  # kind → (module with add_arguments and run_from_args, help)
+        "serve": (serve_bench, "load-test a running server"),
+        "offline": (offline_bench, "generation throughput vs transformers, decode roofline"),
+        "structured": (structured_bench,
+                       "structured output's cost: free vs constrained requests"),
+        "models": (models_bench, "several models in one server: a quiet model's TTFT while "
+                                 "another is flooded, and the timeline of reloads under load"),
+        "startup": (startup_bench, "server start-up, cold then warm: time to healthy and to a "
+                                   "first answer, and its phases"),
+        "quality": (quality_bench, "quantization's accuracy: perplexity, agreement with the "
+                                   "unquantized model, and weight bytes per variant"),
+    }
+    for kind, (module, help_text) in benches.items():
+        bench_kind = bench_kinds.add_parser(kind, help=help_text)
+        module.add_arguments(bench_kind)
+        bench_kind.set_defaults(handler=module.run_from_args)
     return parser
 
 
