@@ -19,10 +19,11 @@ fp8 e4m3 to 448 (its largest finite value). A zero channel gets scale 1.
 
 Why not qwix: its PTQ provider intercepts `dot_general`/`einsum` calls made by Flax modules on
 their own parameters. This model reads raw `nnx.Param`s (`self.q_proj[...]`, reshaped for
-o_proj) so qwix kept every weight in float32 and quantized it again inside every call (tried
-with qwix 0.1.8: same parameter bytes, logits off by 0.25%); adopting it would mean rebuilding
-the model on `nnx.Linear`/`nnx.Einsum` and loading through qwix's own param tree, which the
-sharded one-tensor-at-a-time loader and the plan's abstract model do not go through.
+o_proj) so qwix kept every weight in float32 and quantized it again inside every call
+(tried with qwix 0.1.8: same parameter bytes, logits off by up to 0.4%); adopting it would
+mean rebuilding the model on `nnx.Linear`/`nnx.Einsum` and loading through qwix's own param
+tree, which the sharded one-tensor-at-a-time loader and the plan's abstract model do not go
+through.
 """
 
 from __future__ import annotations
