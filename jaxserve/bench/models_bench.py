@@ -541,7 +541,8 @@ def run_benchmark(model: str | None = None, requests: int = 20, flood_concurrenc
                 "while the models file changes")
             reload = asyncio.run(_reloads(server, models_file, model, options,
                                           reload_concurrency, say))
-    return {"model": model, "engine_options": options, "ready_s": ready, "isolation": isolation, "reload": reload,
+    return {"model": model, "engine_options": options, "ready_s": ready,
+            "isolation": isolation, "reload": reload,
             "failed": isolation["failed"] + reload["failed"],
             "duration_s": time.perf_counter() - started}
 

@@ -10,8 +10,10 @@
     jaxserve bench offline [--model PATH]
     jaxserve bench structured [--model PATH]
     jaxserve bench models [--model PATH]
+    jaxserve bench quality [--model PATH] [--text FILE]
     jaxserve convert --model HF_DIR --out CKPT_DIR
-    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json] [--buckets ends|largest|all]
+    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json]
+                  [--buckets ends|largest|all] [--quantization int8|fp8] [--kv-cache-dtype ...]
     jaxserve plan --models models.toml
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the

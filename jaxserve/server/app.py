@@ -12,9 +12,10 @@ one the server made (a completion's body `id`).
 Each request's `model` is routed by `jaxserve.fleet.routing` (a name's versions by weight, a
 pinned id `name@version` to its version); the `x-jaxserve-model-version` header names the
 version that answered. When that version's queue is full (429) or its engine failed (500),
-a version with a `fallback` hands the request to it, and `x-jaxserve-fallback-from` says so. Errors use OpenAI's JSON shape and name the bad field. The model
-loads on a background thread after the socket is open, so orchestrators see the process
-alive while `/health` says whether it is ready.
+a version with a `fallback` hands the request to it, and `x-jaxserve-fallback-from` says
+so. Errors use OpenAI's JSON shape and name the bad field. The model loads on a background
+thread after the socket is open, so orchestrators see the process alive while `/health`
+says whether it is ready.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ ready they answer 503.
 
 `RequestIdMiddleware`: a request's `X-Request-Id` (1-256 visible ASCII characters; else, as
 the router reads them, `X-Correlation-Id`, `X-Trace-Id` or `Request-Id`) is echoed as
-`X-Request-Id` on its response, errors and streams included; without one (or with an unusable one) the
-server makes one up: a completion's body `id` (`cmpl-...`, `chatcmpl-...`), else
+`X-Request-Id` on its response, errors and streams included; without one (or with an
+unusable one) the server makes one up: a completion's body `id` (`cmpl-...`, `chatcmpl-...`), else
 `req-<hex>`. The id is recorded with the job (`Job.request_id`, logged at debug level with
 its engine request ids); the body `id` and the engine's request ids stay the server's own, so
 two requests sending the same header never collide in the engine.
