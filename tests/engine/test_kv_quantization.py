@@ -127,3 +127,15 @@ def test_preemption_rewrites_pages_and_scales(folder):
     (tight, preemptions), (roomy, none) = runs
     assert preemptions > 0 and none == 0
     assert tight == roomy
+
+
+def test_pallas_kernels_read_int8_pages_as_the_reference_does(tmp_path):
+    """The engine on the Pallas kernels (interpret mode) with an int8 cache gives the
+    reference backend's tokens: the scale pools reach the kernels. head_dim 64, as the
+    kernels take 64/128/256."""
+    from tiny_models import build_model
+
+    build_model("llama_tied_headdim_rope3", tmp_path, head_dim=64)
+    results = [generate(tmp_path, kv_cache_dtype="int8", attention_backend=backend)[1]
+               for backend in ("reference", "pallas")]
+    assert results[0] == results[1]
