@@ -11,7 +11,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jaxserve.model.config import QUANTIZATION_METHODS
 from pallas_kernels.kv_quant import page_dtype
 from pallas_kernels.validation import SUPPORTED_PAGE_SIZES
 
@@ -35,7 +34,8 @@ class EngineConfig:
     compilation cache, so a restart neither traces nor compiles
     (`jaxserve.engine.executable_store`). `quantization`: store the weights in "int8" or
     "fp8" with per-channel scales (None: as the checkpoint is), and `quantize_activations`:
-    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`). `kv_cache_dtype`:
+    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`; checked where the
+    model's config takes them, `with_quantization`). `kv_cache_dtype`:
     "auto" (the compute dtype), "int8" (a scale per token and kv head) or "fp8" (e4m3,
     unscaled) pages (`pallas_kernels.kv_quant`): about twice the pages in the same memory.
     """
@@ -64,9 +64,6 @@ class EngineConfig:
 
     def __post_init__(self):
         page_dtype(self.kv_cache_dtype, "float32")  # a ValueError naming it if unknown
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or "
-                             f"None, got {self.quantization!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_decode_steps", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))
