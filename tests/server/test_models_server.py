@@ -205,7 +205,9 @@ def test_reloads_under_load_lose_no_request_and_free_the_old_version(server):
             mark = sum(served_by.values())
             wait_until(lambda: sum(served_by.values()) >= mark + 16, 120, "streams stalled")
         phases = [event["phase"] for event in answer.json()["timeline"]]
-        assert phases == ["switch", "drain"]  # the last reload loads nothing, drains v1
+        # the last reload loads nothing and drains v1; v1, at weight 0 since the reload before,
+        # may hold no request any more and be freed before the answer is sent
+        assert phases in (["switch", "drain"], ["switch", "drain", "freed"])
         # /load counts v1 while it drains (its requests still hold the device), as draining
         draining = [m["model"] for m in httpx.get(f"{server.url}/load").json()["models"]
                     if m["status"] == "draining"]
