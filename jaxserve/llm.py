@@ -28,7 +28,6 @@ import numpy as np
 from jaxserve.loading import checkpoint
 from jaxserve.model.config import (ModelConfig, eos_token_ids, load_config, resolve_dtype,
                                    with_quantization)
-from jaxserve.model.quantization import check_platform
 from jaxserve.engine.engine import Engine, engine_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
@@ -78,10 +77,10 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
                                                    engine_options)
     resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
     engine_config = engine_config_for(model_config, engine_options)
-    model_config = with_quantization(model_config, engine_config.quantization,
-                                     engine_config.quantize_activations)
     first = jax.devices()[0]
-    check_platform(model_config.quantization, first.platform, first.device_kind)
+    model_config = with_quantization(model_config, engine_config.quantization,
+                                     engine_config.quantize_activations, first.platform,
+                                     first.device_kind)
     if model_config.quantization is not None and checkpoint.is_checkpoint(model_dir):
         raise ValueError("quantization: orbax checkpoints are restored as saved; quantize "
                          "from the Hugging Face folder instead")

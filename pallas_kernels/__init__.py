@@ -115,7 +115,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
     """Decode attention: one query token per sequence, at position kv_lens[b] - 1.
 
     q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv, D] in q's dtype, int8 or
-    float8_e4m3fn; k_scales, v_scales [N, page_size, Hkv] float32 for int8 pages only;
+    float8_e4m3fn; k_scales, v_scales [N, Hkv * page_size] float32 for int8 pages only;
     kv_lens int32[B]; page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32
     softmax).
     sm_scale defaults to 1/sqrt(D); soft_cap: logits = c * tanh(logits / c);

@@ -70,7 +70,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
             sliding_window, precision):
     # q_ref, o_ref [R', D] (row r: token tile * q_block + r // group, rows past q_block * G
     # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P]; refs: the scales
-    # ks_ref, vs_ref [N * page_size, Hkv] float32 (int8 pages only), then o_ref.
+    # ks_ref, vs_ref [N * Hkv * page_size] float32 (int8 pages only), then o_ref.
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     o_ref = refs[-1]
     tile, head = pl.program_id(0), pl.program_id(1)
@@ -102,8 +102,11 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
             k = plgpu.load(k_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
             v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
             if scaled:
-                k_scale = plgpu.load(ks_ref.at[kv_row, head], mask=in_range, other=0)  # [KB]
-                v_scale = plgpu.load(vs_ref.at[kv_row, head], mask=in_range, other=0)  # [KB]
+                # page's row of scales, the head's run in it, the key's offset (`kv_quant`)
+                scale_idx = ((page * k_ref.shape[1] + head) * page_size
+                             + jax.lax.rem(key_pos, page_size))  # [KB]
+                k_scale = plgpu.load(ks_ref.at[scale_idx], mask=in_range, other=0)  # [KB]
+                v_scale = plgpu.load(vs_ref.at[scale_idx], mask=in_range, other=0)  # [KB]
             else:
                 k_scale = v_scale = None
             k = gpu_dequant.dequantize(k, k_scale, q.dtype)  # [KB, D]
@@ -146,7 +149,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               block_keys=None, num_warps=None, num_stages=2, interpret=False):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, page_size, Hkv]
+    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
     float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
@@ -176,8 +179,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
-    scales = () if k_scales is None else tuple(
-        x.reshape(num_pages * page_size, num_kv_heads) for x in (k_scales, v_scales))
+    scales = () if k_scales is None else tuple(x.reshape(-1) for x in (k_scales, v_scales))
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size, block_keys=block_keys,
         scaled=bool(scales), sm_scale=sm_scale, soft_cap=soft_cap,

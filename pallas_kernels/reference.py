@@ -54,15 +54,15 @@ def _gather_seq(pages, page_indices):
 
 def _dequantize(q, k_pages, v_pages, k_scales, v_scales):
     """The page pools as q.dtype values (`kv_quant.dequantize`); pages in q's dtype as is."""
-    return (kv_quant.dequantize(k_pages, k_scales, q.dtype),
-            kv_quant.dequantize(v_pages, v_scales, q.dtype))
+    return (kv_quant.dequantize_pages(k_pages, k_scales, q.dtype),
+            kv_quant.dequantize_pages(v_pages, v_scales, q.dtype))
 
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, interpret=None, k_scales=None,
                     v_scales=None):
     """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored. k_scales,
-    v_scales [N, page_size, Hkv] float32: int8 pages' scales."""
+    v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
                                    kernel_limits=False, k_scales=k_scales, v_scales=v_scales)
@@ -79,7 +79,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                            num_seqs, *, sm_scale=None, soft_cap=None,
                            sliding_window=None, interpret=None, k_scales=None, v_scales=None):
     """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored.
-    k_scales, v_scales [N, page_size, Hkv] float32: int8 pages' scales."""
+    k_scales, v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_ragged(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False,

@@ -2,8 +2,11 @@
 online softmax (float32 running max, sum and weighted sum in VMEM scratch).
 
 Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
-its `[block_keys, 1]` scale column (a static lane slice of the copied scale block) and
-rounded to q's dtype; an fp8 tile is cast to q's dtype. So the MXU dots see exactly the
+its scales and rounded to q's dtype; an fp8 tile is cast to q's dtype. A copied scale block
+is `[pages_per_block, Hkv * page_size]` (a page's row of the pool, `kv_quant`): head h's
+scales are a static lane slice `[pages_per_block, page_size]`, transposed (Mosaic transposes
+32-bit tiles; it cannot reshape lanes into sublanes) so that page i's become the column
+`[page_size, 1]` its tile rows are multiplied by. So the MXU dots see exactly the
 values the reference dequantizes to (`kv_quant.dequantize`)."""
 
 import jax
@@ -15,13 +18,15 @@ from pallas_kernels.reference import MASK_VALUE
 def _tile(buf, scale_buf, slot, h, dtype):
     """Head h's keys of block `slot` of buf [2, pages_per_block, page_size, (Hkv,) D] as
     [KB, D] in dtype, int8 codes times their scales from scale_buf [2, pages_per_block,
-    page_size, Hkv] float32 (None: no scales, a plain cast)."""
-    block_keys = buf.shape[1] * buf.shape[2]
+    Hkv * page_size] float32 (None: no scales, a plain cast)."""
+    pages_per_block, page_size = buf.shape[1:3]
     tile = buf[slot] if len(buf.shape) == 4 else buf[slot, :, :, h, :]  # [ppb, ps, D]
     if scale_buf is None:
-        return tile.reshape(block_keys, -1).astype(dtype)  # [KB, D]
-    scale = scale_buf[slot].reshape(block_keys, -1)[:, h:h + 1]  # [KB, 1]
-    return (tile.astype(jnp.float32).reshape(block_keys, -1) * scale).astype(dtype)
+        return tile.reshape(pages_per_block * page_size, -1).astype(dtype)  # [KB, D]
+    columns = scale_buf[slot, :, h * page_size:(h + 1) * page_size].T  # [ps, ppb]
+    return jnp.concatenate(
+        [tile[i].astype(jnp.float32) * columns[:, i:i + 1] for i in range(pages_per_block)],
+        axis=0).astype(dtype)  # [KB, D]
 
 
 def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_ref, *,
@@ -30,7 +35,7 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
 
     q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D] (no head axis:
     one kv head) in q's dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf
-    [2, pages_per_block, page_size, Hkv] float32 for int8 pages; mask [R or 1, KB] the keys
+    [2, pages_per_block, Hkv * page_size] float32 for int8 pages; mask [R or 1, KB] the keys
     each row sees; key_valid [KB, 1] keys in range (V rows outside it are zeroed: stale VMEM
     may hold anything); m_ref, l_ref [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
     """

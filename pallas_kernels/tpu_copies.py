@@ -11,7 +11,8 @@ whose width is not a multiple of ROW_CHUNK is copied a whole row at a time.
 K/V blocks: one copy per page and per K/V, issued by a loop over exactly the block's pages in
 use (a loop, not one unrolled copy per possible page: the program stays small), each
 [page_size, (Hkv,) D] contiguous in HBM. int8 pages add one copy per page of each scale pool
-(`[page_size, Hkv]` float32, contiguous too): four copies per page instead of two.
+(the page's row `[Hkv * page_size]` float32, `kv_quant`): four copies per page instead of
+two.
 """
 
 import jax
@@ -21,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 ROW_CHUNK = 128  # table entries per copy (512 bytes)
 TARGET_BLOCK_KEYS = 512  # keys per copy block: large copies amortise the DMA issue cost
-LANES = 128  # a VMEM row: a [page_size, Hkv] float32 scale page takes Hkv padded to 128 lanes
+LANES = 128  # a VMEM row: a page's float32 scale row is padded to whole 128 lanes
 
 
 def pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq,
@@ -31,7 +32,7 @@ def pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq,
     sequence's table holds. itemsize: the pages' (1 for int8 and fp8)."""
     page_bytes = page_size * num_kv_heads * head_dim * itemsize
     if scaled:
-        page_bytes += page_size * 4 * LANES * pl.cdiv(num_kv_heads, LANES)
+        page_bytes += 4 * LANES * pl.cdiv(num_kv_heads * page_size, LANES)
     by_memory = buffer_bytes // (4 * page_bytes)
     return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
 
@@ -68,7 +69,7 @@ def row_copies(table_hbm, seq, row_ref, sem, first, last, start: bool):
 def block_copies(row_ref, pools, buffers, sems, slot, page0, num_pages, start: bool):
     """Starts or waits for the copies of pages row_ref[page0 : page0 + num_pages] of each
     pool in HBM (K, V [N, page_size, (Hkv,) D], then the int8 pages' K and V scales
-    [N, page_size, Hkv]) into the same-index buffer's [slot] [pages_per_block, ...]
+    [N, Hkv * page_size]) into the same-index buffer's [slot] [pages_per_block, ...]
     (semaphores sems[pool, slot]). A start and its wait must get the same pages."""
 
     def body(p, carry):

@@ -19,10 +19,12 @@ past `key_hi` inside the last page are masked, and their V rows zeroed, so stale
 reaches the output.
 
 Quantized pages (`kv_quant`) are copied as stored (int8 or fp8: half a bf16 page) and
-dequantized per head in VMEM (`tpu_attend`). int8 pages bring their `[page_size, Hkv]`
-float32 scales along: one more copy per page for each of K and V (four per page instead of
-two), into two-slot buffers of their own that the VMEM budget counts (a scale row fills 128
-lanes). The scale pool stays `[N, page_size, Hkv]` with one kv head too (`[N, page_size, 1]`).
+dequantized per head in VMEM (`tpu_attend`). int8 pages bring their float32 scales along
+(the page's row `[Hkv * page_size]` of the scale pool): one more copy per page for each of K
+and V (four per page instead of two), into two-slot buffers of their own that the VMEM
+budget counts. XLA passes the pool to the kernel as it is, no copy (measured in full
+compiles with 8 kv heads and with 1: tests/kernels/test_pallas_compile.py); rows narrower than
+128 floats are lane-padded in HBM, at most 2x of a pool 1/32 the size of the int8 pages.
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
@@ -42,11 +44,7 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   no copy of the cache. Left to the cache-layout work: with 2-4 kv heads the VMEM block's
   `(Hkv, D)` tile is sublane-padded and each head is a strided load (RPA v3's fused, packed
   pages avoid both), and head_dim 64 (or float32 head_dim 256) makes XLA copy the whole
-  cache into the kernel's layout on every call. Likewise int8 pages' scale pools: XLA:TPU
-  lays a float32 `[N, page_size, Hkv]` array out with N minor (as any array whose minor dim
-  is under 128), the per-page copies need it row-major, so XLA relays both scale pools out
-  on every call, padded to 128 lanes (16x the pool with 8 kv heads, 128x with one). A scale
-  pool whose rows hold a page's scales in whole 128-lane rows would be read in place.
+  cache into the kernel's layout on every call.
 """
 
 import functools
@@ -68,7 +66,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and the pools k_hbm, v_hbm
-    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, page_size, Hkv] float32)
+    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
     # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
@@ -186,7 +184,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
               interpret=False):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D] (q's
-    dtype, int8 with k_scales, v_scales [N, page_size, Hkv] float32, or float8_e4m3fn).
+    dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
@@ -217,7 +215,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
 
     q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # K, V, then (int8) their scale pools, kept [N, page_size, Hkv] even for one kv head.
+    # K, V, then (int8) their scale pools [N, Hkv * page_size].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
                for pool in pools]  # [2, pages_per_block, ...] each

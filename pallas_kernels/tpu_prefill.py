@@ -51,7 +51,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # row_ref, row_sem, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and the pools k_hbm, v_hbm
-    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, page_size, Hkv] float32)
+    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA; m_ref, l_ref
     # [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
@@ -128,7 +128,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               pages_per_block=None, interpret=False):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, page_size, Hkv]
+    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
     float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
@@ -157,7 +157,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         v_pages = v_pages.reshape(num_pages, page_size, head_dim)
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda t, *_: (0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # K, V, then (int8) their scale pools, kept [N, page_size, Hkv] even for one kv head.
+    # K, V, then (int8) their scale pools [N, Hkv * page_size].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
                for pool in pools]  # [2, pages_per_block, ...] each

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -98,7 +100,7 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
 
 
 def check_scales(k_pages, k_scales, v_scales):
-    """int8 pages need both scale pools, float32 [N, page_size, Hkv] (`kv_quant`); pages of
+    """int8 pages need both scale pools, float32 [N, Hkv * page_size] (`kv_quant`); pages of
     any other dtype take none (a scale given for them would be silently ignored)."""
     given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales))
              if x is not None]
@@ -109,8 +111,9 @@ def check_scales(k_pages, k_scales, v_scales):
         return
     if len(given) < 2:
         raise ValueError("int8 pages need k_scales and v_scales (float32 "
-                         "[num_pages, page_size, num_kv_heads])")
-    want = k_pages.shape[:3]
+                         "[num_pages, num_kv_heads * page_size])")
+    num_pages, page_size, num_kv_heads = k_pages.shape[:3]
+    want = kv_quant.scale_pool_shape(num_pages, page_size, num_kv_heads)
     for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
         if x.dtype != jnp.float32 or x.shape != want:
             raise ValueError(f"{name} must be float32{list(want)} like the pages, got "

@@ -8,6 +8,7 @@ The model speaks in logical axis names; this package alone maps them to the mesh
   partition_spec(logical_axes, shape, mesh)     logical names → PartitionSpec
   named_sharding(logical_axes, shape, mesh)     ... → NamedSharding
   replicated(mesh), kv_cache_sharding(mesh)     step inputs; the paged KV cache
+  kv_scale_sharding(mesh)                       int8 pages' scale pools
   tensor_parallel_size(mesh)                    devices the heads are split over
   kv_head_repeats(num_kv_heads, num_heads, tp)  how often each kv head is stored
   repeat_kv_heads, repeated_kv_slice            that repetition, on device / per host slice
@@ -18,12 +19,13 @@ The model speaks in logical axis names; this package alone maps them to the mesh
 
 from sharding.mesh import make_mesh, replica_meshes
 from sharding.rules import (LOGICAL_AXIS_RULES, kv_cache_sharding, kv_head_repeats,
-                            named_sharding, partition_spec, repeat_kv_heads,
+                            kv_scale_sharding, named_sharding, partition_spec, repeat_kv_heads,
                             repeated_kv_slice, replicated, restrict_to, shard_loader,
                             tensor_parallel_size)
 from sharding.shard_map import shard_over_heads
 
 __all__ = ["make_mesh", "replica_meshes", "LOGICAL_AXIS_RULES", "partition_spec",
-           "named_sharding", "replicated", "kv_cache_sharding", "tensor_parallel_size",
+           "named_sharding", "replicated", "kv_cache_sharding", "kv_scale_sharding",
+           "tensor_parallel_size",
            "kv_head_repeats", "repeat_kv_heads", "repeated_kv_slice", "shard_loader",
            "restrict_to", "shard_over_heads"]

@@ -68,6 +68,12 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, None, LOGICAL_AXIS_RULES["kv_heads"]))
 
 
+def kv_scale_sharding(mesh: Mesh) -> NamedSharding:
+    """int8 pages' scale pools `[N, Hkv * page_size]` (`pallas_kernels.kv_quant`): rows
+    split into whole heads like the pages (each device's part is its heads' runs)."""
+    return NamedSharding(mesh, P(None, LOGICAL_AXIS_RULES["kv_heads"]))
+
+
 def tensor_parallel_size(mesh: Mesh) -> int:
     """Devices the heads are split over."""
     return mesh.shape[LOGICAL_AXIS_RULES["heads"]]

@@ -19,19 +19,26 @@ def _spec(head_dim: int | None, ndim: int) -> P:
     return P(*("model" if i == head_dim else None for i in range(ndim)))
 
 
+def _arg_specs(arg, head_dims):
+    """Specs for one argument: one head dim for all its leaves, or a pytree of them."""
+    if head_dims is None or isinstance(head_dims, int):
+        return jax.tree.map(lambda a: _spec(head_dims, a.ndim), arg)
+    return jax.tree.map(lambda a, d: _spec(d, a.ndim), arg, head_dims)
+
+
 def shard_over_heads(fn: Callable, mesh: Mesh, arg_head_dims: tuple[int | None, ...],
                      out_head_dims) -> Callable:
     """Wrap `fn(*args)` so it runs per device on the "model" axis.
 
     `arg_head_dims[i]` is the head dimension of positional argument i (None: replicated,
-    e.g. page tables); every leaf of an argument uses that argument's entry.
+    e.g. page tables): an int for all its leaves, or its pytree of ints (a cache of pages
+    and scale pools).
     `out_head_dims` is `fn`'s output pytree with each array replaced by its head dimension
     (an int: outputs are always split on heads).
     """
 
     def wrapped(*args):
-        in_specs = tuple(jax.tree.map(lambda a, d=d: _spec(d, a.ndim), arg)
-                         for arg, d in zip(args, arg_head_dims))
+        in_specs = tuple(_arg_specs(arg, d) for arg, d in zip(args, arg_head_dims))
         out_shapes = jax.eval_shape(fn, *args)  # local shapes == global ones but heads
         out_specs = jax.tree.map(lambda s, d: _spec(d, len(s.shape)), out_shapes,
                                  out_head_dims)

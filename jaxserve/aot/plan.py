@@ -39,7 +39,6 @@ import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.model.config import load_config, with_quantization
-from jaxserve.model.quantization import check_platform
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
@@ -162,8 +161,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
     engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})
     model_config = with_quantization(model_config, engine.quantization,
-                                     engine.quantize_activations)
-    check_platform(model_config.quantization, target.platform, target.accelerator or "")
+                                     engine.quantize_activations, target.platform,
+                                     target.accelerator or "")
     devices = compile_only_devices(target)
     indices = mesh_device_indices(engine)
     if engine.devices is not None:

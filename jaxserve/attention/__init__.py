@@ -53,11 +53,6 @@ def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages
     backend)."""
     platform = platform or jax.default_backend()
     name = backend_name(config.attention_backend, platform)
-    if platform == "tpu" and config.kv_cache_dtype == "int8":
-        raise ValueError(
-            "kv_cache_dtype='int8' is not available on TPU yet: XLA:TPU lays its scale "
-            "pools ([pages, page_size, kv heads] float32) out pages-minor, so every call "
-            "would copy both into the kernel's row-major layout, lane-padded 16-128x; use "
-            "kv_cache_dtype='fp8' there")
     return BACKENDS[name](page_size=config.page_size, sliding_window=model.sliding_window,
                           mesh=mesh, pages_per_layer=num_pages if scan_layers else None)
+

@@ -60,7 +60,7 @@ class AttentionBackend:
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata):
         """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
         `(k_pages, v_pages)` `[N, page_size, Hkv, D]`, with `(k_scales, v_scales)`
-        `[N, page_size, Hkv]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
+        `[N, Hkv * page_size]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
         [T]` and `page_indices [S, P]` already address this layer's pages → (out `[T, Hq, D]`,
         new layer cache)."""
         raise NotImplementedError
@@ -94,9 +94,9 @@ class PagedAttention:
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
         local = backend.attend
         if backend.mesh is not None:
-            #            q  k  v  pages  slots, page tables, batch, metadata (replicated)
-            head_dims = (1, 1, 1, 2, None, None, None, None)
-            cache_dims = tuple(2 for _ in layer_cache)  # pages and scale pools: heads on 2
+            cache_dims = (2, 2, 1, 1)[:len(layer_cache)]  # pages: heads on 2; scales on 1
+            #            q  k  v  cache       slots, page tables, batch, metadata (replicated)
+            head_dims = (1, 1, 1, cache_dims, None, None, None, None)
             local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, cache_dims))
         return local(q, k, v, tuple(layer_cache), slots, page_indices, self.batch,
                      self.metadata)  # out [T, Hq, D]

@@ -104,7 +104,7 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
 @dataclasses.dataclass
 class PagePool:
     """The pages of K or of V: `pages [N, page_size, Hkv, D]`, and for int8 pages their
-    scales `[N, page_size, Hkv]` (`pallas_kernels.kv_quant`)."""
+    scales `[N, Hkv * page_size]` (`pallas_kernels.kv_quant`)."""
 
     pages: jax.Array
     scales: jax.Array | None = None
@@ -120,8 +120,10 @@ class PagePool:
         if self.scales is None:
             return values
         rows, pages_per_seq = page_indices.shape
-        scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, ps, Hkv]
-        scales = scales.transpose(0, 3, 1, 2).reshape(rows, scales.shape[-1], -1)
+        num_kv_heads = self.pages.shape[2]
+        scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, Hkv * ps]
+        scales = scales.reshape(rows, pages_per_seq, num_kv_heads, self.page_size)
+        scales = scales.transpose(0, 2, 1, 3).reshape(rows, num_kv_heads, -1)  # [B, Hkv, P*ps]
         return values.astype(jnp.float32) * scales[..., None]  # [B, Hkv, P * ps, D]
 
 

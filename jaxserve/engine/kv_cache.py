@@ -4,10 +4,11 @@ layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
 `pallas_kernels.kv_quant`): fp8 pages are the same tuple in float8_e4m3fn; int8 pages add
-a scale pool per K and V, `[num_pages, page_size, num_kv_heads]` float32, so a layer's cache
-is `(k_pages, v_pages, k_scales, v_scales)`. `dtype` below is always the pages' dtype.
+a scale pool per K and V, `[num_pages, num_kv_heads * page_size]` float32, so a layer's
+cache is `(k_pages, v_pages, k_scales, v_scales)`. `dtype` below is always the pages' dtype.
 
-On a mesh the cache is split on its kv-heads axis (`sharding.kv_cache_sharding`), like the
+On a mesh the cache is split on its kv heads (`sharding.kv_cache_sharding`,
+`kv_scale_sharding`), like the
 k/v projections that fill it; every device holds all pages of its heads, so the page
 allocator stays one global pool.
 """
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jaxserve.model.config import ModelConfig
-from pallas_kernels.kv_quant import has_scales
+import sharding
 from jaxserve.engine.config import EngineConfig
+from jaxserve.model.config import ModelConfig
+from pallas_kernels.kv_quant import has_scales, scale_pool_shape
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
@@ -66,30 +69,34 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
 
 
 def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                    scan_layers: bool, sharding=None):
+                    scan_layers: bool, mesh: Mesh | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
     `[num_pages, page_size, Hkv, D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
     `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
     `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
-    offsets each layer's page ids). int8 pages add their scale pools `[pages, page_size,
-    Hkv]` (kv heads on axis 2, like the pages, so one sharding fits both)."""
+    offsets each layer's page ids). int8 pages add their scale pools `[pages, Hkv *
+    page_size]`. On `mesh` (None: no shardings) every array is split on its kv heads."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
     shape = (pages, page_size, model.num_kv_heads, model.head_dim)
-    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=mesh and (
+        sharding.kv_cache_sharding(mesh)))
     layer = (page, page)
     if has_scales(dtype):
-        scales = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=sharding)
+        scales = jax.ShapeDtypeStruct(
+            scale_pool_shape(pages, page_size, model.num_kv_heads), jnp.float32,
+            sharding=mesh and sharding.kv_scale_sharding(mesh))
         layer = (page, page, scales, scales)
     return layer if scan_layers else [layer for _ in range(model.num_layers)]
 
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                      sharding=None, scan_layers: bool = False):
-    """Zeroed caches laid out as `cache_structure` says, placed with `sharding` (default:
-    the default device)."""
-    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, sharding)
+                      mesh: Mesh | None = None, scan_layers: bool = False):
+    """Zeroed caches laid out and placed as `cache_structure` says (no mesh: on the default
+    device)."""
+    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, mesh)
 
     def zeros(leaf):
-        return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+        return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype),
+                       out_shardings=leaf.sharding)()
 
     return jax.tree.map(zeros, structure)

@@ -92,20 +92,19 @@ class Runner:
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         abstract = isinstance(model.embed.get_value(), jax.ShapeDtypeStruct)  # compile only
         cache_dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)
-        cache_sh = sharding.kv_cache_sharding(mesh)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
                                       platform)
         if abstract:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
-                                          cache_dtype, model.scan_layers, cache_sh)
+                                          cache_dtype, model.scan_layers, mesh)
         else:
             self._allocate_caches = functools.partial(
                 allocate_kv_cache, model.config, num_pages, config.page_size, cache_dtype,
-                cache_sh, model.scan_layers)
+                mesh, model.scan_layers)
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
-        caches_sh = jax.tree.map(lambda _: cache_sh, self.caches)
+        caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
         rep = self.replicated
         self._programs = {"step": (self._step, (rep, rep, caches_sh, rep)),
                           "decode": (self._decode, (rep, rep, caches_sh, rep))}

@@ -27,6 +27,7 @@ checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -167,9 +168,18 @@ def sharded_config(cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, int]:
 
 
 def abstract_model(cfg: ModelConfig, dtype, scan_layers: bool = False) -> LlamaModel:
-    """The model's structure, shapes and `logical_axes`, with no memory allocated."""
-    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0),
-                                             scan_layers=scan_layers))
+    """The model's structure, shapes and `logical_axes`, with no memory allocated: a fresh
+    copy (callers fill it in) of one traced per (cfg, dtype, scan_layers). Tracing the
+    model's construction takes seconds for an 8B model (about 12 s on 2 CPU cores), and
+    loading asks for its shapes, dtypes and shardings several times."""
+    graphdef, state = _abstract_split(cfg, jnp.dtype(dtype), scan_layers)
+    return nnx.merge(graphdef, state, copy=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_split(cfg: ModelConfig, dtype, scan_layers: bool):
+    return nnx.split(nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0),
+                                                       scan_layers=scan_layers)))
 
 
 def abstract_sharded_model(cfg: ModelConfig, dtype, mesh: Mesh,
@@ -308,7 +318,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                 for name in reader.keys():
                     if name in scales or (name.endswith(".input_scale") and scales):
                         if name in scales:
-                            path, transform, _ = scales[name]
+                            path, transform = scales[name]
                             variables[path].set_value(place(transform(read_tensor(
                                 file, reader, name)), path))
                             seen.add(name)
@@ -341,8 +351,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
 
 
-def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, Callable, None]]:
-    """HF scale name (`<weight>_scale`) → (model path, HF→model transform, None) for every
+def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, Callable]]:
+    """HF scale name (`<weight>_scale`) → (model path, HF→model transform) for every
     weight the model stores quantized. The checkpoint either holds them (pre-quantized: one
     value per output channel, `[out, 1]`, or per tensor, `[1]` / `[]`) or they are made from
     the float weight as it loads."""
@@ -363,5 +373,5 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
                                  f"1 (per tensor) or {out_channels} (per output channel)")
             return np.broadcast_to(flat, (out_channels,)).reshape(model_shape)
 
-        entries[name + "_scale"] = (scale_path, to_model, None)
+        entries[name + "_scale"] = (scale_path, to_model)
     return entries

@@ -260,11 +260,21 @@ def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
     return WeightQuantization("fp8" if weights["type"] == "float" else "int8", skip)
 
 
-def with_quantization(cfg: ModelConfig, method: str | None,
-                      activations: bool = False) -> ModelConfig:
+def with_quantization(cfg: ModelConfig, method: str | None, activations: bool = False,
+                      platform: str | None = None, device_kind: str = "") -> ModelConfig:
     """`cfg` with the weight quantization a user asked for (`method` None: as the checkpoint
-    is). On-load quantization covers every linear layer, the embedding and the lm head. A
-    checkpoint already quantized keeps its own scheme; asking for another is a `ValueError`."""
+    is), checked against the `platform` ("cpu", "tpu", "gpu") and `device_kind` the programs
+    will run on when given. On-load quantization covers every linear layer, the embedding and
+    the lm head. A checkpoint already quantized keeps its own scheme; asking for another is a
+    `ValueError`."""
+    quantized = _quantization_asked(cfg, method, activations)
+    if platform is not None:
+        _check_platform(quantized.quantization, platform, device_kind)
+    return quantized
+
+
+def _quantization_asked(cfg: ModelConfig, method: str | None,
+                        activations: bool) -> ModelConfig:
     if cfg.quantization is not None:
         if method is not None and method != cfg.quantization.method:
             raise ValueError(f"quantization={method!r}: this checkpoint is already quantized "
@@ -277,6 +287,20 @@ def with_quantization(cfg: ModelConfig, method: str | None,
             raise ValueError("quantize_activations needs quantization ('int8' or 'fp8')")
         return cfg
     return dataclasses.replace(cfg, quantization=WeightQuantization(method, (), activations))
+
+
+def _check_platform(quant: WeightQuantization | None, platform: str,
+                   device_kind: str = "") -> None:
+    """`ValueError` (naming `quantization`) when the platform cannot run `quant`'s matmuls:
+    fp8 x fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+: L4, H100, H200)."""
+    if quant is None or not quant.activations or quant.method != "fp8":
+        return
+    kind = device_kind.lower()
+    if platform != "gpu" or not any(name in kind for name in ("h100", "h200", "h800", "l4",
+                                                               "l40", "b200", "gh200")):
+        raise ValueError(f"quantization: fp8 activations (fp8 x fp8 matmuls) need a GPU with "
+                         f"fp8 tensor cores (H100, H200, L4, ...); this is {platform} "
+                         f"{device_kind!r}. Use fp8 weights without activations, or int8.")
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

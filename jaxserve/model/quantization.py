@@ -14,8 +14,9 @@ axes, so with per-output-channel scales a matmul can use the narrow kernel and s
   quantized the same way (absmax over the contracted axis), the dot runs int8 x int8 → int32
   (TPU v5e/v6e MXU, GPU IMMA) or fp8 x fp8 → float32 (H100/H200), and both scales apply after.
 
-Scales are symmetric absmax: int8 maps the channel's largest |w| to 127 (codes -127..127),
-fp8 e4m3 to 448 (its largest finite value). A zero channel gets scale 1.
+Scales are symmetric absmax (`pallas_kernels.absmax`, shared with the int8 KV cache): int8
+maps the channel's largest |w| to 127 (codes -127..127), fp8 e4m3 to 448 (its largest finite
+value). A zero channel gets scale 1.
 
 Why not qwix: its PTQ provider intercepts `dot_general`/`einsum` calls made by Flax modules on
 their own parameters. This model reads raw `nnx.Param`s (`self.q_proj[...]`, reshaped for
@@ -35,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.config import ModelConfig, WeightQuantization
+from pallas_kernels import absmax
 
 STORAGE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
-LARGEST_CODE = {"int8": 127.0, "fp8": 448.0}
 # weight name → its contracted axes, in the model's layout (`jaxserve.model.llama`)
 CONTRACTED_AXES = {"q_proj": (0,), "k_proj": (0,), "v_proj": (0,), "o_proj": (0, 1),
                    "gate_proj": (0,), "up_proj": (0,), "down_proj": (0,), "lm_head": (0,),
@@ -61,15 +62,7 @@ def quantize(value, method: str, contracted: tuple[int, ...], xp: Any = np):
     """(codes, scale) of `value`: codes in the method's storage dtype with `value`'s shape,
     float32 scale with the contracted axes removed. `xp`: numpy (the loader, on the host) or
     jax.numpy (in a program)."""
-    value = value.astype(xp.float32)
-    largest = xp.max(xp.abs(value), axis=contracted, keepdims=True)
-    scale = xp.where(largest > 0, largest / LARGEST_CODE[method], 1.0).astype(xp.float32)
-    scaled = value / scale
-    if method == "int8":
-        codes = xp.clip(xp.round(scaled), -127, 127).astype(xp.int8)
-    else:
-        codes = xp.clip(scaled, -448.0, 448.0).astype(STORAGE_DTYPES["fp8"])
-    return codes, xp.squeeze(scale, axis=contracted)
+    return absmax.quantize(value, STORAGE_DTYPES[method], contracted, xp)
 
 
 def dequantize(codes, scale, contracted: tuple[int, ...]) -> np.ndarray:
@@ -102,17 +95,3 @@ def embedding_rows(table: jax.Array, scale: jax.Array | None, token_ids: jax.Arr
     if scale is None:
         return rows
     return (rows.astype(jnp.float32) * jnp.take(scale, token_ids)[..., None]).astype(dtype)
-
-
-def check_platform(quant: WeightQuantization | None, platform: str,
-                   device_kind: str = "") -> None:
-    """`ValueError` (naming `quantization`) when the platform cannot run `quant`'s matmuls:
-    fp8 x fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+: L4, H100, H200)."""
-    if quant is None or not quant.activations or quant.method != "fp8":
-        return
-    kind = device_kind.lower()
-    if platform != "gpu" or not any(name in kind for name in ("h100", "h200", "h800", "l4",
-                                                               "l40", "b200", "gh200")):
-        raise ValueError(f"quantization: fp8 activations (fp8 x fp8 matmuls) need a GPU with "
-                         f"fp8 tensor cores (H100, H200, L4, ...); this is {platform} "
-                         f"{device_kind!r}. Use fp8 weights without activations, or int8.")

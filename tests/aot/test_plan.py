@@ -171,6 +171,7 @@ def tiny_int8_weight_bytes() -> int:
 
 
 @pytest.mark.parametrize("platform,accelerator,kv", [("tpu", "v5e", "fp8"),
+                                                     ("tpu", "v6e", "int8"),
                                                      ("gpu", "h100", "int8")])
 def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accelerator, kv):
     """int8 weights and an 8-bit KV cache compile for TPU and GPU; weights and pages as
@@ -189,11 +190,3 @@ def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accele
     page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * per_token_head
     assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
-
-
-def test_int8_kv_cache_on_tpu_is_refused_with_the_reason(tiny, tmp_path, capsys):
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(PRESET.format(platform="tpu", accelerator="v5e"))
-    assert main(["plan", "--config", str(preset), "--model", str(tiny),
-                 "--kv-cache-dtype", "int8"]) == 2
-    assert "kv_cache_dtype='int8' is not available on TPU" in capsys.readouterr().err

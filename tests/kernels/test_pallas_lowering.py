@@ -68,7 +68,7 @@ def test_quantized_pages_reach_the_kernels_as_stored(platform, kind):
     (fp8 on CUDA: as its bytes, a bitcast): no dequantized copy of a pool in q's dtype."""
     page_dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
     k, v, kv_lens, table = cache_structs(page_dtype)
-    scales = jax.ShapeDtypeStruct((PAGES, PS, HKV), jnp.float32)
+    scales = jax.ShapeDtypeStruct((PAGES, HKV * PS), jnp.float32)
     q = jax.ShapeDtypeStruct((64, HQ, D), jnp.bfloat16)
     cu_q_lens = jax.ShapeDtypeStruct((MAX_SEQS + 1,), jnp.int32)
     num_seqs = jax.ShapeDtypeStruct((1,), jnp.int32)

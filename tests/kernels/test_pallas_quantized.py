@@ -63,10 +63,17 @@ class QuantCase:
 
     @property
     def scales(self):
-        """The kernels' k_scales / v_scales keywords (none for fp8)."""
+        """The kernels' k_scales / v_scales keywords (none for fp8): the scale pools
+        [N, Hkv * page_size], page n's row holding head 0's page_size scales, then head 1's..."""
         if self.k_scales is None:
             return {}
-        return dict(k_scales=self.k_scales, v_scales=self.v_scales)
+        return {name: pool_rows(scales) for name, scales in
+                (("k_scales", self.k_scales), ("v_scales", self.v_scales))}
+
+
+def pool_rows(scales):
+    """scales [N, page_size, Hkv] → the pool layout [N, Hkv * page_size] (head-major rows)."""
+    return np.ascontiguousarray(scales.transpose(0, 2, 1)).reshape(scales.shape[0], -1)
 
 
 def check(out, want, case):
@@ -183,7 +190,7 @@ def test_reference_dequantizes_like_numpy(make_case):
                                       np.asarray(want, np.float32))
 
 
-def scale_args(pages_dtype=jnp.int8, scales_dtype=jnp.float32, scales_shape=(8, PAGE, 2)):
+def scale_args(pages_dtype=jnp.int8, scales_dtype=jnp.float32, scales_shape=(8, 2 * PAGE)):
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     kv = jnp.zeros((8, PAGE, 2, 64), pages_dtype)
     scales = jnp.zeros(scales_shape, scales_dtype)
@@ -210,13 +217,13 @@ def test_scales_must_match_the_pages_dtype(fn, pages_dtype, scales, message):
 
 
 @pytest.mark.parametrize("scales_dtype,scales_shape", [
-    (jnp.bfloat16, (8, PAGE, 2)), (jnp.float32, (8, PAGE, 2, 1)), (jnp.float32, (8, PAGE, 1))])
+    (jnp.bfloat16, (8, 2 * PAGE)), (jnp.float32, (8, PAGE, 2)), (jnp.float32, (8, PAGE))])
 def test_scales_must_be_float32_like_the_pages(scales_dtype, scales_shape):
     args, scales = scale_args(scales_dtype=scales_dtype, scales_shape=scales_shape)
-    good = jnp.zeros((8, PAGE, 2), jnp.float32)
-    with pytest.raises(ValueError, match=r"k_scales must be float32\[8, 16, 2\]"):
+    good = jnp.zeros((8, 2 * PAGE), jnp.float32)
+    with pytest.raises(ValueError, match=r"k_scales must be float32\[8, 32\]"):
         pk.paged_attention(*args, k_scales=scales, v_scales=good)
-    with pytest.raises(ValueError, match=r"v_scales must be float32\[8, 16, 2\]"):
+    with pytest.raises(ValueError, match=r"v_scales must be float32\[8, 32\]"):
         pk.paged_attention(*args, k_scales=good, v_scales=scales)
 
 

@@ -20,7 +20,7 @@ from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import WeightQuantization, load_config, with_quantization
 from jaxserve.model.dense_generation import DenseGenerator
-from jaxserve.model.quantization import check_platform, project, quantize
+from jaxserve.model.quantization import project, quantize
 from jaxserve.server.prometheus import PrometheusMetrics
 from tiny_models import SMALL_ENGINE, build_model
 
@@ -220,12 +220,13 @@ def test_shipped_model_quantized_agrees_with_unquantized(method, activations):
 def test_bad_quantization_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(DEFAULT_MODEL_DIR), quantization="int4", progress=False)
+    config = load_config(DEFAULT_MODEL_DIR)
     with pytest.raises(ValueError, match="quantization: fp8 activations"):
-        check_platform(WeightQuantization("fp8", activations=True), jax.default_backend(),
-                       jax.devices()[0].device_kind)
-    check_platform(WeightQuantization("fp8", activations=True), "gpu", "NVIDIA H200")
+        with_quantization(config, "fp8", True, jax.default_backend(),
+                          jax.devices()[0].device_kind)
+    with_quantization(config, "fp8", True, "gpu", "NVIDIA H200")
     with pytest.raises(ValueError, match="quantize_activations needs quantization"):
-        with_quantization(load_config(DEFAULT_MODEL_DIR), None, activations=True)
+        with_quantization(config, None, activations=True)
 
     _compressed_tensors_folder(tmp_path, "channel")
     with pytest.raises(ValueError, match="already quantized"):
