@@ -1,6 +1,8 @@
 """`jaxserve bench models`: several models in one server (`jaxserve serve --models`), measured
 the way a user runs it: a models file, default engine options, real HTTP clients against a
-server on 127.0.0.1 (uvicorn on a thread of this process).
+server on 127.0.0.1 (uvicorn on a thread of this process). The flood of part 1 comes from
+a process of its own, as a user's clients would: its streams' client work (HTTP, SSE
+parsing) does not run in the server's interpreter, where it would compete for the GIL.
 
 The models file serves one model folder (`--model`, default the shipped model) twice, as
 "busy" and "quiet": two engines on the same device, which take round-robin turns of engine
@@ -9,10 +11,11 @@ steps (`jaxserve.fleet.device_turns`).
 1. Isolation. The quiet model's time to first token (`--requests` sequential streaming
    completions of a short prompt, 8 tokens) is measured with the busy model idle, then
    while the busy model is flooded (`--flood-concurrency` streaming completions of
-   `--flood-max-tokens` tokens, eos ignored, each replaced as soon as it finishes, for the
-   whole measurement). Printed: quiet TTFT p50/p90 alone and under flood, their ratio (the
-   target: p50 under flood within 3x of alone), and the busy model's output tokens/s during
-   the flood.
+   `--flood-max-tokens` tokens, eos ignored, each replaced as soon as it finishes, sent from
+   a process of their own; the measurement starts once each of them has had a request
+   stream, and the flood lasts until it ends). Printed: quiet TTFT p50/p90 alone and under
+   flood, their ratio (the target: p50 under flood within 3x of alone), and the busy model's
+   output tokens/s during the flood.
 2. Reload timeline. While `--reload-concurrency` streaming requests to "quiet" run (each
    replaced as it finishes), the file is rewritten and `POST /admin/reload` applied three
    times: add quiet version 2 (weight 50); set version 1's weight to 0; remove version 1.
@@ -35,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -210,10 +214,12 @@ class _Load:
         """Requests in flight that have streamed their first token."""
         return sum(bool(r.chunks) for r in self.in_flight)
 
-    async def wait_streaming(self, count: int, timeout: float = 300.0) -> None:
-        """Until `count` requests in flight stream (the load is established) or `timeout`."""
+    async def wait_all_served(self, timeout: float = 300.0) -> None:
+        """Until every worker has had a request stream (the engine has taken in the whole
+        load, also when it runs fewer at once than there are workers) or `timeout`."""
         deadline = time.monotonic() + timeout
-        while self.streaming < count and time.monotonic() < deadline:
+        while time.monotonic() < deadline and sum(
+                bool(r.chunks) for r in self.results + self.in_flight) < len(self._tasks):
             await asyncio.sleep(0.05)
 
     async def stop(self, cancel: bool) -> None:
@@ -288,6 +294,83 @@ def _flood_tokens_per_second(load: _Load, since: float, until: float) -> dict:
             "output_tokens_per_s": tokens / seconds}
 
 
+def _flood_body(index: int, max_tokens: int) -> dict:
+    return {"model": "busy", "prompt": f"Story {index}: once upon a time, in a land",
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": index}
+
+
+FLOOD_LINE = "jaxserve-bench-flood: "  # how the flood process's messages start
+
+
+def flood_main() -> None:
+    """The flood's own process (`python -c`, arguments: url, concurrency, max_tokens): once
+    every worker has had a request stream, writes how many stream; then reads the
+    measurement's "since until" and writes the flood's result (JSON lines on stdout)."""
+    url, concurrency, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    asyncio.run(_flood(url, concurrency, max_tokens))
+
+
+def _tell(message) -> None:
+    print(FLOOD_LINE + json.dumps(message), flush=True)
+
+
+async def _flood(url: str, concurrency: int, max_tokens: int) -> None:
+    async with _client(url, concurrency) as client:
+        load = _Load(client, concurrency, lambda index: _flood_body(index, max_tokens))
+        await load.wait_all_served()
+        _tell(load.streaming)
+        since, until = map(float, (await asyncio.to_thread(sys.stdin.readline)).split())
+        streaming = load.streaming
+        # cancel the unfinished requests, unless none finished to count tokens by
+        await load.stop(cancel=bool(load.completed))
+    _tell({"throughput": {**_flood_tokens_per_second(load, since, until),
+                          "completed": len(load.completed),
+                          "cancelled": sum(r.cancelled for r in load.results)},
+           "streaming_at_end": streaming, "failed": len(load.failed),
+           "errors": _errors(load.failed)})
+
+
+class _FloodProcess:
+    """`concurrency` streaming requests to "busy", each replaced as it finishes, from a
+    process of their own (`flood_main`). Times cross as `time.perf_counter()` values: the
+    system's monotonic clock, the same in both processes."""
+
+    def __init__(self, process: asyncio.subprocess.Process):
+        self._process = process
+
+    @classmethod
+    async def start(cls, url: str, concurrency: int, max_tokens: int) -> _FloodProcess:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from jaxserve.bench.models_bench import flood_main; "
+            "flood_main()", url, str(concurrency), str(max_tokens),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        return cls(process)
+
+    async def _hear(self):
+        while line := (await self._process.stdout.readline()).decode():
+            if line.startswith(FLOOD_LINE):
+                return json.loads(line[len(FLOOD_LINE):])
+        raise RuntimeError(f"the flood process ended (exit status "
+                           f"{await self._process.wait()})")
+
+    async def established(self) -> int:
+        """Wait until the flood is established; returns the requests streaming then."""
+        return await self._hear()
+
+    async def finish(self, since: float, until: float) -> dict:
+        """Stop the flood; its throughput over [since, until] with its request counts, the
+        requests streaming when it stopped, and its failures."""
+        self._process.stdin.write(f"{since!r} {until!r}\n".encode())
+        await self._process.stdin.drain()
+        result = await self._hear()
+        await self._process.wait()
+        return result
+
+    def close(self) -> None:
+        if self._process.returncode is None:
+            self._process.kill()
+
+
 async def _isolation(server: _Server, requests: int, flood_concurrency: int,
                      flood_max_tokens: int, say: Callable[[str], None]) -> dict:
     busy = server.state.fleet.table.pinned["busy@1"]
@@ -304,29 +387,23 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
         alone = await _quiet_requests(client, requests, 0)
         engine_alone = _engine_ttfts(quiet)[before:]
 
-        def flood_body(i: int) -> dict:
-            return {"model": "busy", "prompt": f"Story {i}: once upon a time, in a land",
-                    "max_tokens": flood_max_tokens, "ignore_eos": True, "temperature": 0.8,
-                    "seed": i}
+        say(f"  flooding busy from another process: {flood_concurrency} streaming requests "
+            f"in flight (max_tokens {flood_max_tokens}, ignore_eos)...")
+        flood = await _FloodProcess.start(server.url, flood_concurrency, flood_max_tokens)
+        try:
+            running = await flood.established()
+            say(f"  quiet under flood: {requests} sequential requests "
+                f"({running} busy requests streaming)...")
+            since = time.perf_counter()
+            before = len(_engine_ttfts(quiet))
+            flooded = await _quiet_requests(client, requests, requests)
+            until = time.perf_counter()
+            engine_flooded = _engine_ttfts(quiet)[before:]
+            result = await flood.finish(since, until)
+        finally:
+            flood.close()
 
-        say(f"  flooding busy: {flood_concurrency} streaming requests in flight "
-            f"(max_tokens {flood_max_tokens}, ignore_eos)...")
-        flood = _Load(client, flood_concurrency, flood_body)
-        running = min(flood_concurrency, busy.llm.engine_config.max_num_seqs)
-        await flood.wait_streaming(running)
-        say(f"  quiet under flood: {requests} sequential requests "
-            f"({flood.streaming} busy requests streaming)...")
-        since = time.perf_counter()
-        before = len(_engine_ttfts(quiet))
-        flooded = await _quiet_requests(client, requests, requests)
-        until = time.perf_counter()
-        engine_flooded = _engine_ttfts(quiet)[before:]
-        streaming_at_end = flood.streaming
-        # cancel the flood's unfinished requests, unless none finished to count tokens by
-        await flood.stop(cancel=bool(flood.completed))
-        throughput = _flood_tokens_per_second(flood, since, until)
-
-    failed = [r for r in alone + flooded if not r.ok] + flood.failed
+    failed = [r for r in alone + flooded if not r.ok]
     wrong = [r.version for r in alone + flooded if r.ok and r.version != "quiet@1"]
     ttft_alone = _stats([r.ttft for r in alone if r.ok])
     ttft_flooded = _stats([r.ttft for r in flooded if r.ok])
@@ -346,12 +423,11 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
         "target_ratio": TTFT_TARGET_RATIO,
         "meets_target": ratio["p50"] is not None and ratio["p50"] <= TTFT_TARGET_RATIO,
         "busy_streaming_at_start": running,
-        "busy_streaming_at_end": streaming_at_end,
-        "busy_throughput": {**throughput, "completed": len(flood.completed),
-                            "cancelled": sum(r.cancelled for r in flood.results)},
+        "busy_streaming_at_end": result["streaming_at_end"],
+        "busy_throughput": result["throughput"],
         "quiet_answered_by_other_version": len(wrong),
-        "failed": len(failed),
-        "errors": _errors(failed),
+        "failed": len(failed) + result["failed"],
+        "errors": _errors(failed) + result["errors"],
     }
 
 
@@ -413,7 +489,6 @@ RELOADS = [  # (what changes, quiet's versions after it)
 async def _reloads(server: _Server, models_file: Path, model: str, options: dict,
                    concurrency: int, say: Callable[[str], None]) -> dict:
     state = server.state
-    v1 = state.fleet.table.pinned["quiet@1"]
 
     def body(i: int) -> dict:
         return {"model": "quiet", "prompt": f"Request {i}: it was a fine morning when",
@@ -423,7 +498,7 @@ async def _reloads(server: _Server, models_file: Path, model: str, options: dict
     reloads = []
     async with _client(server.url, concurrency) as client:
         load = _Load(client, concurrency, body)
-        await load.wait_streaming(min(concurrency, v1.llm.engine_config.max_num_seqs))
+        await load.wait_all_served()
         for number, (change, versions) in enumerate(RELOADS, 1):
             if number > 1:  # let requests flow under the new split first (fewer before
                 # the removal, so that the removed version still has requests in flight)

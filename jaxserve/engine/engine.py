@@ -315,6 +315,11 @@ class Engine:
                 self._recover(replica, err, deltas, previous, flight)
         return deltas
 
+    @property
+    def has_in_flight(self) -> bool:
+        """Whether a step `step()` dispatched is still unread (`read_in_flight` reads it)."""
+        return any(replica.in_flight is not None for replica in self.replicas)
+
     def read_in_flight(self) -> list[StreamDelta]:
         """Read the steps `step()` left in flight now, rather than at the next `step()`: for
         an engine that gives its shared device to another engine's step next (the overlap

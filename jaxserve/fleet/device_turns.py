@@ -1,20 +1,26 @@
 """Fair turns on devices that several engines share.
 
-Every engine steps on its own thread. When two engines' meshes share a device, their steps
-take turns on it, round-robin: a step waits for the devices it runs on, and waiters are served
-in the order they asked. A flooded engine therefore cannot hold a shared device for more than
-one of its steps while another engine waits: the other engine's step runs next. Engines on
-disjoint devices never wait for each other.
+Every engine steps on its own thread and takes a seat (`DeviceTurns.seat`) on the devices of
+its mesh. When two engines' meshes share a device, they take turns on it, round-robin: a turn
+waits for the devices it runs on, and waiters are served in the order they asked. A turn
+covers one of the engine's steps on the device (its dispatch, or the reading of a step it left
+in flight, or both), so a flooded engine cannot keep a shared device for more than one of its
+steps while another engine waits: the other engine's step runs next. Engines on disjoint
+devices never wait for each other.
 
 Why steps rather than time slices: a step is the unit the device runs without interruption
 (one compiled program, or a decode loop), and its length is bounded by the engine's buckets;
 round-robin of steps gives each engine with work one step per turn, which is what keeps a
 quiet model's time to first token close to its value alone while another model is flooded.
-A turn covers a step's dispatch and the reading of its results: an engine alone leaves a
-step in flight and reads it at its next step (host and device overlap), but when another
-engine waits for the device it reads the step before giving the turn away
-(`Engine.read_in_flight`), so a request's first token does not wait for the other engine's
-step as well.
+
+How a turn bounds the wait (`jaxserve.server.async_engine`): an engine alone on its devices
+dispatches its next step before it reads the last one (host and device overlap), so the
+device has up to two of its steps queued. On a shared device that would make a
+newcomer wait for two steps: the one running when it asked and the one dispatched before
+the engine read it. So an engine whose devices are shared (`Seat.shared`) reads its step in
+flight first and dispatches the next only if nobody waits (`Seat.contended`); when somebody
+does, it reads what it dispatched before giving the turn away, so that a request's first token
+does not wait for the other engine's step as well.
 
 Waiters are ordered by a ticket taken on all their devices at once, under one lock, so a
 waiter that is first on one shared device is first on every device it shares: no deadlock.
@@ -37,7 +43,18 @@ class DeviceTurns:
         self._queues: dict[int, collections.deque[int]] = collections.defaultdict(
             collections.deque)
         self._busy: set[int] = set()
+        self._seated: collections.Counter[int] = collections.Counter()  # engines per device
         self._tickets = itertools.count()
+
+    def seat(self, devices: Iterable[int]) -> Seat:
+        """An engine's place on `devices` (until `Seat.leave`): its turns, and whether other
+        engines share or wait for those devices."""
+        return Seat(self, devices)
+
+    def shared(self, devices: Iterable[int]) -> bool:
+        """Whether more than one seated engine runs on one of `devices`."""
+        with self._changed:
+            return any(self._seated[d] > 1 for d in devices)
 
     def contended(self, devices: Iterable[int]) -> bool:
         """Whether another engine waits for one of `devices` (call while holding them)."""
@@ -63,3 +80,33 @@ class DeviceTurns:
             with self._changed:
                 self._busy.difference_update(devices)
                 self._changed.notify_all()
+
+    def _sit(self, devices: tuple[int, ...], count: int) -> None:
+        with self._changed:
+            self._seated.update({d: count for d in devices})
+
+
+class Seat:
+    """One engine's turns on its devices (what `AsyncEngine` holds around its steps)."""
+
+    def __init__(self, turns: DeviceTurns, devices: Iterable[int]):
+        self.turns, self.devices = turns, tuple(sorted(set(devices)))
+        self._seated = True
+        turns._sit(self.devices, 1)
+
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        return self.turns.turn(self.devices)
+
+    def shared(self) -> bool:
+        """Whether another seated engine runs on one of this engine's devices."""
+        return self.turns.shared(self.devices)
+
+    def contended(self) -> bool:
+        """Whether another engine waits for one of this engine's devices."""
+        return self.turns.contended(self.devices)
+
+    def leave(self) -> None:
+        """Give the seat up (the engine stopped); idempotent."""
+        if self._seated:
+            self._seated = False
+            self.turns._sit(self.devices, -1)

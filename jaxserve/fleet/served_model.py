@@ -32,10 +32,10 @@ class ServedModel:
         self.entry = entry
         self.llm = llm
         self.device_ids = tuple(d.id for d in llm.engine.mesh.devices.flat)
+        self.seat = turns.seat(self.device_ids)
         self.engine = AsyncEngine(llm.engine, max_waiting,
                                   on_failure=lambda reason: on_failure(self, reason),
-                                  turn=lambda: turns.turn(self.device_ids),
-                                  contended=lambda: turns.contended(self.device_ids))
+                                  seat=self.seat)
         self.warm_up_seconds = sum(r.runner.warm_up_seconds for r in llm.engine.replicas)
         self.load_seconds = load_seconds - self.warm_up_seconds  # weights, before warm-up
         self.failure: str | None = None  # why its engine gave up
@@ -97,5 +97,6 @@ class ServedModel:
             return
         self._closed.set()
         self.engine.stop()
+        self.seat.leave()
         self.llm.engine.shutdown()
         self.llm.engine.release()

@@ -1,9 +1,11 @@
 """Runs the engine on a background thread and streams its outputs to asyncio handlers.
 
-The engine is single-threaded: one thread calls `engine.step()` in a loop while requests
-exist. HTTP handlers submit requests and aborts through the engine's thread-safe inbox and
-read their `StreamDelta`s from an `asyncio.Queue` fed with `call_soon_threadsafe`. A handler
-that stops listening (client disconnected) aborts its request, which frees its pages.
+The engine is single-threaded: one thread steps it in a loop while requests exist, inside
+turns of its devices when it has a seat on them (`jaxserve.fleet.device_turns`: devices that
+other engines may share). HTTP handlers submit requests and aborts through the engine's
+thread-safe inbox and read their `StreamDelta`s from an `asyncio.Queue` fed with
+`call_soon_threadsafe`. A handler that stops listening (client disconnected) aborts its
+request, which frees its pages.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import AsyncIterator, Callable, ContextManager
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_processor import StreamDelta, merge_deltas
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from jaxserve.fleet.device_turns import Seat
 
 log = logging.getLogger("jaxserve.server")
 
@@ -42,14 +47,12 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int,
                  on_step: Callable[[list[StreamDelta]], None] | None = None,
                  on_failure: Callable[[str], None] | None = None,
-                 turn: Callable[[], ContextManager] | None = None,
-                 contended: Callable[[], bool] | None = None):
+                 seat: Seat | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step  # called on the engine thread after every step
         self.on_failure = on_failure  # called once if the engine gives up, with the reason
-        self.turn = turn or contextlib.nullcontext  # held around each step (shared devices)
-        self.contended = contended or (lambda: False)  # another engine waits for the turn
+        self.seat = seat  # turns on the devices other engines may share (None: not shared)
         self._retired = False  # submits refused from now on (the version is being removed)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sequences: dict[str, Sequence] = {}
@@ -87,10 +90,8 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                with self.turn():
-                    deltas = self.engine.step()  # a failed step fails only its own requests
-                    if self.contended():  # the next turn is another engine's: read ours now
-                        deltas += self.engine.read_in_flight()
+                with self.seat.turn() if self.seat else contextlib.nullcontext():
+                    deltas = self._turn()  # a failed step fails only its own requests
             except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
                 log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
@@ -100,6 +101,22 @@ class AsyncEngine:
             if self.on_step is not None:
                 self.on_step(deltas)
             self._deliver(deltas)
+
+    def _turn(self) -> list[StreamDelta]:
+        """One step's worth of device work, while holding the devices. Alone on them: the
+        next step is dispatched before the last one is read (host and device overlap). On
+        shared devices: a step left in flight is read first, and the next one dispatched only
+        if no other engine waits; one dispatched while another engine waits is read before
+        the turn is given away. So a waiting engine's step follows at most one of ours."""
+        if self.seat is None or not self.seat.shared():
+            return self.engine.step()
+        if self.engine.has_in_flight:
+            deltas = self.engine.read_in_flight()
+            return deltas if self.seat.contended() else deltas + self.engine.step()
+        deltas = self.engine.step()
+        if self.seat.contended():
+            deltas += self.engine.read_in_flight()
+        return deltas
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         """Hand a step's deltas to their readers: one wake-up per event loop, not per delta."""
