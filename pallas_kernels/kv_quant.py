@@ -1,9 +1,13 @@
 """Quantized KV pages: what the kernels read, and how new tokens are written into them.
 
 A layer's cache is a tuple:
-- `(k_pages, v_pages)`, each `[N, page_size, Hkv, D]`, in the compute dtype ("auto"), or in
-  float8_e4m3fn ("fp8"): values clipped to ±448 and stored unscaled (scale 1, vLLM's default
-  for an uncalibrated fp8 cache);
+- `(k_pages, v_pages)`, each `[N, page_size, Hkv, D]`, in the compute dtype ("auto");
+- `(k_pages, v_pages, k_scale, v_scale)` for "fp8": float8_e4m3fn pages and one float32
+  scale per kv head, `[Hkv]` (`[num_layers, Hkv]` for stacked layers): pages hold
+  `x / scale` clipped to ±448. The scales are 1 (vLLM's default for an uncalibrated fp8
+  cache) or calibrated from the first step that writes real tokens (`calibrate`). The
+  kernels never see them: attention is linear in both, so the caller scales q by k's scale
+  before the kernel and the output by v's after (`head_scaled_attention`);
 - `(k_pages, v_pages, k_scales, v_scales)` for "int8": int8 pages and float32 scales, one
   per token and kv head (absmax over D / 127), in a pool beside the pages: `[N, Hkv *
   page_size]`, row n holding page n's scales head by head (token p of head h at
@@ -52,9 +56,44 @@ def scales_by_token(scales, page_size: int):
     return jnp.swapaxes(by_head, -1, -2)
 
 
+FP8_HEADROOM = 2.0  # calibrated fp8 scales leave this factor above the first tokens' absmax
+
+
+def calibrate(scale, x, valid):
+    """Per-kv-head fp8 scales `[Hkv]`: `scale` where already set (> 0), else calibrated
+    from this step's real tokens x `[T, Hkv, D]` (valid `[T]`): absmax over them and D,
+    times FP8_HEADROOM, / 448 (1 for a head whose tokens are all zero). A scale stays 0
+    (not yet calibrated) through steps with no real token, such as warm-up's."""
+    real = jnp.where(valid[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0)
+    largest = jnp.max(real, axis=(0, 2))  # [Hkv]
+    fresh = jnp.where(largest > 0, largest * FP8_HEADROOM / FP8_LARGEST, 1.0)
+    return jnp.where((scale > 0) | ~jnp.any(valid), scale, fresh)
+
+
+def head_scaled_attention(attend, q, k, v, k_scale, v_scale):
+    """`attend(q, k, v) -> (out, ...)` over pages holding K / k_scale and V / v_scale (per kv head,
+    `[Hkv]`; 0, not yet calibrated, counts as 1): q `[T, Hq, D]` is scaled by k's scale
+    before (q . K = (q * s) . K/s), the new k/v `[T, Hkv, D]` divided by theirs, and the output
+    multiplied by v's scale after (p . V = s * p . V/s)."""
+    group = q.shape[1] // k.shape[1]
+    k_scale, v_scale = (jnp.where(s > 0, s, 1.0) for s in (k_scale, v_scale))
+
+    def times(x, scale):  # x [T, H, D] by scale [H]
+        return (x.astype(jnp.float32) * scale[None, :, None]).astype(x.dtype)
+
+    out, *rest = attend(times(q, jnp.repeat(k_scale, group)), times(k, 1.0 / k_scale),
+                        times(v, 1.0 / v_scale))
+    return times(out, jnp.repeat(v_scale, group)), *rest
+
+
 def has_scales(dtype) -> bool:
     """Whether pages of `dtype` carry a scale pool (int8)."""
     return jnp.dtype(dtype) == jnp.int8
+
+
+def has_head_scales(dtype) -> bool:
+    """Whether pages of `dtype` carry a scale per kv head (fp8)."""
+    return jnp.dtype(dtype) == KV_CACHE_DTYPES["fp8"]
 
 
 def quantize_tokens(x, dtype):
@@ -84,10 +123,15 @@ def dequantize_pages(pages, scales=None, dtype=jnp.float32):
     return dequantize(pages, scales_by_token(scales, pages.shape[1]), dtype)
 
 
-def round_trip(x, dtype):
-    """What reading `x` `[T, Hkv, D]` back from pages of `dtype` gives, in x's dtype."""
-    codes, scales = quantize_tokens(x, dtype)
-    return dequantize(codes, scales, x.dtype)
+def round_trip(x, dtype, head_scale=None):
+    """What reading `x` `[..., Hkv, D]` back from pages of `dtype` gives, in x's dtype; fp8
+    pages with a scale per kv head `head_scale` `[Hkv]` hold x / head_scale."""
+    if head_scale is None:
+        codes, scales = quantize_tokens(x, dtype)
+        return dequantize(codes, scales, x.dtype)
+    scale = head_scale[:, None]  # [Hkv, 1]
+    codes, _ = quantize_tokens(x.astype(jnp.float32) / scale, dtype)
+    return (codes.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def write(layer_cache: tuple, k_new, v_new, slot_mapping) -> tuple:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import sharding
+from pallas_kernels import kv_quant
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +91,11 @@ class PagedAttention:
     backend: AttentionBackend = dataclasses.field(metadata=dict(static=True))
 
     def __call__(self, layer_index, q, k, v, layer_cache):
+        if kv_quant.has_head_scales(layer_cache[0].dtype):
+            return self._head_scaled(layer_index, q, k, v, layer_cache)
+        return self._attend(layer_index, q, k, v, layer_cache)
+
+    def _attend(self, layer_index, q, k, v, layer_cache):
         backend = self.backend
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
         local = backend.attend
@@ -100,3 +106,21 @@ class PagedAttention:
             local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, cache_dims))
         return local(q, k, v, tuple(layer_cache), slots, page_indices, self.batch,
                      self.metadata)  # out [T, Hq, D]
+
+    def _head_scaled(self, layer_index, q, k, v, layer_cache):
+        """fp8 pages with a scale per kv head (`kv_quant`): calibrated here if not yet, then
+        applied around the backend's attention, which sees plain fp8 pages."""
+        k_pages, v_pages, k_scales, v_scales = layer_cache
+        stacked = self.backend.pages_per_layer is not None  # scales [num_layers, Hkv]
+        batch = self.batch
+        real_tokens = batch.cu_q_lens[batch.num_seqs[0]]  # warm-up's padding: 0, on page 0
+        valid = (jnp.arange(k.shape[0]) < real_tokens) & (batch.slot_mapping >= 0)  # [T]
+        k_scale, v_scale = (kv_quant.calibrate(s[layer_index] if stacked else s, x, valid)
+                            for s, x in ((k_scales, k), (v_scales, v)))  # [Hkv] each
+        out, (k_pages, v_pages) = kv_quant.head_scaled_attention(
+            lambda *qkv: self._attend(layer_index, *qkv, (k_pages, v_pages)), q, k, v, k_scale,
+            v_scale)
+        if stacked:
+            k_scale = k_scales.at[layer_index].set(k_scale)
+            v_scale = v_scales.at[layer_index].set(v_scale)
+        return out, (k_pages, v_pages, k_scale, v_scale)

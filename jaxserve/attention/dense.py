@@ -9,7 +9,8 @@ decode step at that position before any query can see it. Without one (`layer_ca
 as training passes), queries attend causally to the step's own keys, at their positions.
 
 `kv_cache_dtype` "int8" / "fp8" makes keys and values read back as a quantized paged cache
-would give them (`pallas_kernels.kv_quant.round_trip`), so the dense path can measure what
+would give them (`pallas_kernels.kv_quant.round_trip`; fp8 with `head_scales`, per layer,
+K/V and kv head, as a calibrated fp8 cache holds them), so the dense path can measure what
 KV quantization costs (`jaxserve bench quality`) without pages.
 """
 
@@ -31,13 +32,16 @@ class DenseAttention:
     positions: jax.Array  # [B, T] int32 position of every query token
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    head_scales: jax.Array | None = None  # [L, 2, Hkv] fp8 scales of K and V (None: 1)
 
     def __call__(self, layer_index, q, k, v, layer_cache):
         batch, tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[-2]
         if self.kv_cache_dtype != "auto":
             stored = page_dtype(self.kv_cache_dtype, k.dtype)
-            k, v = round_trip(k, stored), round_trip(v, stored)  # [B, T, Hkv, D] each
+            k_scale, v_scale = (None, None) if self.head_scales is None else (
+                self.head_scales[layer_index])
+            k, v = round_trip(k, stored, k_scale), round_trip(v, stored, v_scale)
         if layer_cache is None:  # the step's own keys, at the queries' positions
             keys, values = k, v  # [B, T, Hkv, D]
             key_pos = self.positions[:, None, :]  # [B, 1, T]

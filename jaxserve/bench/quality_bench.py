@@ -1,7 +1,8 @@
 """`jaxserve bench quality`: what quantization costs in accuracy and saves in bytes.
 
 Every variant of one model — the unquantized baseline (bfloat16 by default), int8 weights,
-fp8 weights, int8 weights with int8 activations, an int8 KV cache, an fp8 KV cache — reads
+fp8 weights, int8 weights with int8 activations, an int8 KV cache, an fp8 KV cache with
+scales of 1 and with scales calibrated on the first window (`calculate_kv_scales`) — reads
 the same held-out text (the shipped model's `heldout.txt`, or `--text`) in windows,
 teacher-forced, and reports:
 - the perplexity of the text's next tokens;
@@ -26,11 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-# (name, weight quantization, quantized activations, kv_cache_dtype)
-VARIANTS = (("baseline", None, False, "auto"), ("int8 weights", "int8", False, "auto"),
-            ("fp8 weights", "fp8", False, "auto"),
-            ("int8 weights + activations", "int8", True, "auto"),
-            ("int8 KV cache", None, False, "int8"), ("fp8 KV cache", None, False, "fp8"))
+# (name, weight quantization, quantized activations, kv_cache_dtype, calculate_kv_scales)
+VARIANTS = (("baseline", None, False, "auto", False),
+            ("int8 weights", "int8", False, "auto", False),
+            ("fp8 weights", "fp8", False, "auto", False),
+            ("int8 weights + activations", "int8", True, "auto", False),
+            ("int8 KV cache", None, False, "int8", False),
+            ("fp8 KV cache", None, False, "fp8", False),
+            ("fp8 KV cache, calibrated", None, False, "fp8", True))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,14 +94,18 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
     predicted = sum(len(w) - 1 for w in windows)
     config = load_config(model_dir)
     rows, baseline = [], None
-    for name, method, activations, kv_cache_dtype in VARIANTS:
+    for name, method, activations, kv_cache_dtype, calibrated in VARIANTS:
         started = time.perf_counter()
         model = load_weights(model_dir, with_quantization(config, method, activations),
                              jnp.dtype(dtype), progress=False)
-        logits = DenseGenerator(model, kv_cache_dtype).logits(windows)
+        generator = DenseGenerator(model, kv_cache_dtype)
+        if calibrated:  # scales from the first window, as the engine's first step sets them
+            generator = DenseGenerator(model, kv_cache_dtype,
+                                       generator.calibrated_head_scales(windows[0]))
+        logits = generator.logits(windows)
         nll, predictions = score(logits, windows)
         row = {"variant": name, "quantization": method, "activations": activations,
-               "kv_cache_dtype": kv_cache_dtype,
+               "kv_cache_dtype": kv_cache_dtype, "calculate_kv_scales": calibrated,
                "kv_bytes_per_token": page_bytes(config, 1, page_dtype(kv_cache_dtype, dtype)),
                "weight_bytes": weight_bytes(model), "perplexity": math.exp(nll / predicted),
                "seconds": time.perf_counter() - started}

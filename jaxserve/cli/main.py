@@ -66,6 +66,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="store the KV cache in int8 (a scale per token and head) or fp8 "
                              "e4m3: about twice the tokens in the same memory (default auto: "
                              "the compute dtype)")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="with --kv-cache-dtype fp8: calibrate a scale per layer and kv "
+                             "head from the first step's tokens (default: scales of 1)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off automatic prefix caching")
     parser.add_argument("--strict-compile", action="store_true",
@@ -93,6 +96,8 @@ def flag_options(args: argparse.Namespace) -> dict:
         options["executable_cache"] = False
     if args.quantize_activations:
         options["quantize_activations"] = True
+    if args.calculate_kv_scales:
+        options["calculate_kv_scales"] = True
     return options
 
 

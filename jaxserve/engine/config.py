@@ -36,8 +36,10 @@ class EngineConfig:
     "fp8" with per-channel scales (None: as the checkpoint is), and `quantize_activations`:
     run those matmuls in int8/fp8 too (`jaxserve.model.quantization`; checked where the
     model's config takes them, `with_quantization`). `kv_cache_dtype`:
-    "auto" (the compute dtype), "int8" (a scale per token and kv head) or "fp8" (e4m3,
-    unscaled) pages (`pallas_kernels.kv_quant`): about twice the pages in the same memory.
+    "auto" (the compute dtype), "int8" (a scale per token and kv head) or "fp8" (e4m3, a
+    scale per kv head) pages (`pallas_kernels.kv_quant`): about twice the pages in the same
+    memory. `calculate_kv_scales` (vLLM's name): fp8 scales calibrated from the first step
+    that writes real tokens, instead of 1.
     """
 
     max_model_len: int = 2048
@@ -61,9 +63,13 @@ class EngineConfig:
     quantization: str | None = None
     quantize_activations: bool = False
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         page_dtype(self.kv_cache_dtype, "float32")  # a ValueError naming it if unknown
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError("calculate_kv_scales calibrates an fp8 KV cache's scales; it "
+                             f"needs kv_cache_dtype='fp8', got {self.kv_cache_dtype!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_decode_steps", "tensor_parallel_size", "data_parallel_size"):
             _positive_int(name, getattr(self, name))

@@ -3,14 +3,15 @@
 layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
-`pallas_kernels.kv_quant`): fp8 pages are the same tuple in float8_e4m3fn; int8 pages add
-a scale pool per K and V, `[num_pages, num_kv_heads * page_size]` float32, so a layer's
-cache is `(k_pages, v_pages, k_scales, v_scales)`. `dtype` below is always the pages' dtype.
+`pallas_kernels.kv_quant`), a layer's cache then being `(k_pages, v_pages, k_scales,
+v_scales)`: int8 pages add a scale pool per K and V, `[num_pages, num_kv_heads * page_size]`
+float32; fp8 pages a float32 scale per kv head, `[num_kv_heads]`. `dtype` below is always
+the pages' dtype.
 
-On a mesh the cache is split on its kv heads (`sharding.kv_cache_sharding`,
-`kv_scale_sharding`), like the
-k/v projections that fill it; every device holds all pages of its heads, so the page
-allocator stays one global pool.
+On a mesh the pages and int8 scale pools are split on their kv heads
+(`sharding.kv_cache_sharding`, `kv_scale_sharding`), like the k/v projections that fill
+them; every device holds all pages of its heads, so the page allocator stays one global
+pool.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax.sharding import Mesh
 import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.model.config import ModelConfig
-from pallas_kernels.kv_quant import has_scales, scale_pool_shape
+from pallas_kernels.kv_quant import has_head_scales, has_scales, scale_pool_shape
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
@@ -75,28 +76,39 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
     `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
     offsets each layer's page ids). int8 pages add their scale pools `[pages, Hkv *
-    page_size]`. On `mesh` (None: no shardings) every array is split on its kv heads."""
+    page_size]`, split on kv heads like the pages on `mesh` (None: no shardings); fp8 pages
+    their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
     shape = (pages, page_size, model.num_kv_heads, model.head_dim)
-    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=mesh and (
-        sharding.kv_cache_sharding(mesh)))
+
+    def struct(shape, dtype, place):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else place(mesh))
+
+    page = struct(shape, jnp.dtype(dtype), sharding.kv_cache_sharding)
     layer = (page, page)
     if has_scales(dtype):
-        scales = jax.ShapeDtypeStruct(
-            scale_pool_shape(pages, page_size, model.num_kv_heads), jnp.float32,
-            sharding=mesh and sharding.kv_scale_sharding(mesh))
+        scales = struct(scale_pool_shape(pages, page_size, model.num_kv_heads), jnp.float32,
+                        sharding.kv_scale_sharding)
+        layer = (page, page, scales, scales)
+    elif has_head_scales(dtype):
+        heads = (model.num_layers,) * scan_layers + (model.num_kv_heads,)
+        scales = struct(heads, jnp.float32, sharding.replicated)
         layer = (page, page, scales, scales)
     return layer if scan_layers else [layer for _ in range(model.num_layers)]
 
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                      mesh: Mesh | None = None, scan_layers: bool = False):
-    """Zeroed caches laid out and placed as `cache_structure` says (no mesh: on the default
-    device)."""
+                      mesh: Mesh | None = None, scan_layers: bool = False,
+                      calculate_kv_scales: bool = False):
+    """Caches laid out and placed as `cache_structure` says (no mesh: on the default device):
+    zeroed pages and scale pools; fp8 scales per kv head 1, or 0 (calibrated by the first step
+    that writes real tokens, `kv_quant.calibrate`) with `calculate_kv_scales`."""
     structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, mesh)
+    head_scale = 0.0 if calculate_kv_scales else 1.0
 
-    def zeros(leaf):
-        return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype),
+    def filled(leaf):
+        value = head_scale if has_head_scales(dtype) and leaf.dtype == jnp.float32 else 0
+        return jax.jit(lambda: jnp.full(leaf.shape, value, leaf.dtype),
                        out_shardings=leaf.sharding)()
 
-    return jax.tree.map(zeros, structure)
+    return jax.tree.map(filled, structure)

@@ -101,7 +101,7 @@ class Runner:
         else:
             self._allocate_caches = functools.partial(
                 allocate_kv_cache, model.config, num_pages, config.page_size, cache_dtype,
-                mesh, model.scan_layers)
+                mesh, model.scan_layers, config.calculate_kv_scales)
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)

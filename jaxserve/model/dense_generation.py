@@ -19,6 +19,7 @@ from flax import nnx
 from jaxserve.model import LlamaModel
 from jaxserve.attention.dense import DenseAttention, empty_dense_cache
 from jaxserve.engine.sampler import sample
+from pallas_kernels import kv_quant
 
 MIN_PROMPT_BUCKET = 16
 
@@ -31,11 +32,13 @@ def bucket(n: int, minimum: int = 1) -> int:
 class DenseGenerator:
     """Generates token ids for a batch of prompts with the model's weights held on device."""
 
-    def __init__(self, model: LlamaModel, kv_cache_dtype: str = "auto"):
-        """`kv_cache_dtype`: keys and values read back as that KV cache holds them
-        (`jaxserve.attention.dense`)."""
+    def __init__(self, model: LlamaModel, kv_cache_dtype: str = "auto",
+                 head_scales: jax.Array | None = None):
+        """`kv_cache_dtype`: keys and values read back as that KV cache holds them, fp8 with
+        `head_scales` `[L, 2, Hkv]` (`jaxserve.attention.dense`)."""
         self.config = model.config
         self.kv_cache_dtype = kv_cache_dtype
+        self.head_scales = head_scales
         self.dtype = model.compute_dtype
         self.graphdef, self.state = nnx.split(model)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
@@ -46,7 +49,8 @@ class DenseGenerator:
     def _forward(self, state, tokens, caches):
         model = nnx.merge(self.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
-        attention = DenseAttention(positions, self.config.sliding_window, self.kv_cache_dtype)
+        attention = DenseAttention(positions, self.config.sliding_window, self.kv_cache_dtype,
+                                   self.head_scales)
         hidden, caches = model(tokens, positions, caches, attention)  # [B, T, E]
         return model, hidden, caches
 
@@ -90,7 +94,7 @@ class DenseGenerator:
             position = lengths + count - 1  # [B] position of the token being fed
             current = tokens[jnp.arange(batch), count - 1]  # [B]
             attention = DenseAttention(position[:, None], self.config.sliding_window,
-                                       self.kv_cache_dtype)
+                                       self.kv_cache_dtype, self.head_scales)
             hidden, caches = model(current[:, None], position[:, None], caches, attention)
             new = sample(model.logits(hidden[:, 0]), arrays, position + 1)  # [B]
             tokens = tokens.at[jnp.arange(batch), count].set(jnp.where(done, 0, new))
@@ -102,6 +106,28 @@ class DenseGenerator:
         return tokens, count
 
     # ---- host API ---------------------------------------------------------------------
+    def calibrated_head_scales(self, prompt: Sequence[int]) -> jax.Array:
+        """The fp8 scales `[L, 2, Hkv]` that an fp8 cache calibrating its scales
+        (`calculate_kv_scales`) takes from `prompt` as its first step (`kv_quant.calibrate`):
+        each layer's K and V absmax per kv head, later layers reading K/V stored with them."""
+        cfg = self.config
+        scales = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads), jnp.float32)
+        tokens = jnp.asarray([prompt], jnp.int32)  # [1, T]
+        positions = jnp.arange(len(prompt))[None]  # [1, T]
+        real = jnp.ones(len(prompt), bool)  # [T]
+
+        def attention(layer_index, q, k, v, layer_cache):  # eager: layer_index an int
+            nonlocal scales
+            unset = jnp.zeros(cfg.num_kv_heads, jnp.float32)
+            fresh = jnp.stack([kv_quant.calibrate(unset, x[0], real) for x in (k, v)])
+            scales = scales.at[layer_index].set(fresh)
+            return DenseAttention(positions, cfg.sliding_window, "fp8", scales)(
+                layer_index, q, k, v, layer_cache)
+
+        model = nnx.merge(self.graphdef, self.state)
+        model(tokens, positions, self._empty_caches(1, len(prompt)), attention)
+        return scales
+
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Float32 logits `[len, V]` for every position of every prompt (for parity checks)."""
         lengths = [len(p) for p in prompts]

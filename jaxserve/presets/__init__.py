@@ -10,7 +10,7 @@ here, used by default on CPU).
     [model]     dtype, max_model_len, scan_layers, quantization ("int8" | "fp8"),
                 quantize_activations
     [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching,
-                kv_cache_dtype ("auto" | "int8" | "fp8")
+                kv_cache_dtype ("auto" | "int8" | "fp8"), calculate_kv_scales
     [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
                 seq_buckets
 
@@ -45,7 +45,8 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "model": {"dtype": str, "max_model_len": int, "scan_layers": bool, "quantization": str,
               "quantize_activations": bool},
     "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
-                 "enable_prefix_caching": bool, "kv_cache_dtype": str},
+                 "enable_prefix_caching": bool, "kv_cache_dtype": str,
+                 "calculate_kv_scales": bool},
     "batching": {"max_num_seqs": int, "max_num_batched_tokens": int, "num_decode_steps": int,
                  "token_buckets": list, "seq_buckets": list},
 }

@@ -84,17 +84,19 @@ class _EngineState:
 
 def _config_info(engines: dict[str, Engine]):
     """Info gauges (value 1, the settings in labels): vLLM's `vllm:cache_config_info` (page
-    size, count and dtype of the KV cache) and how the weights are stored."""
+    size, count and dtype of the KV cache, whether fp8 scales are calibrated) and how the
+    weights are stored."""
     cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
                               labels=["model_name", "block_size", "num_gpu_blocks",
-                                      "cache_dtype"])
+                                      "cache_dtype", "calculate_kv_scales"])
     weights = GaugeMetricFamily("jaxserve:quantization_info",
                                 "How the weights are stored: quantization method (none, int8, "
                                 "fp8) and whether activations are quantized too.",
                                 labels=["model_name", "quantization", "activations"])
     for model_name, engine in list(engines.items()):
         cache.add_metric([model_name, str(engine.config.page_size), str(engine.num_pages),
-                          engine.config.kv_cache_dtype], 1)
+                          engine.config.kv_cache_dtype,
+                          str(engine.config.calculate_kv_scales).lower()], 1)
         quant = engine.model_config.quantization
         weights.add_metric([model_name, quant.method if quant else "none",
                             str(bool(quant and quant.activations)).lower()], 1)

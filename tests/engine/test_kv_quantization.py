@@ -19,27 +19,33 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_cache import page_bytes
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import load_config
+from jaxserve.model.dense_generation import DenseGenerator
 from tiny_models import SMALL_ENGINE
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]
 NEW_TOKENS = 12
 
 
-def numpy_round_trip(x: np.ndarray, kind: str) -> np.ndarray:
-    """x `[T, Hkv, D]` as a cache of `kind` gives it back."""
+def numpy_round_trip(x: np.ndarray, kind: str, head_scale=None) -> np.ndarray:
+    """x `[T, Hkv, D]` as a cache of `kind` gives it back (fp8: stored as x / head_scale
+    `[Hkv]`, default 1)."""
     x = x.astype(np.float32)
     if kind == "int8":
         largest = np.abs(x).max(axis=-1, keepdims=True)
         scale = np.where(largest > 0, largest / 127.0, 1.0).astype(np.float32)
         return np.clip(np.round(x / scale), -127, 127) * scale
-    return np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.ones(x.shape[1], np.float32) if head_scale is None else head_scale
+    codes = np.clip(x / scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return codes.astype(np.float32) * scale[:, None]
 
 
-def quantized_dense_greedy(model, prompt, steps, kind):
-    """Greedy tokens of the dense model whose attention reads numpy-quantized K/V."""
+def quantized_dense_greedy(model, prompt, steps, kind, head_scales=None):
+    """Greedy tokens of the dense model whose attention reads numpy-quantized K/V (fp8:
+    with head_scales[layer] = (k scale, v scale) `[Hkv]` each, default 1)."""
     def attention(layer_index, q, k, v, cache):  # q [T, Hq, D], k/v [T, Hkv, D]
-        k = numpy_round_trip(np.asarray(k), kind)
-        v = numpy_round_trip(np.asarray(v), kind)
+        k_scale, v_scale = head_scales[layer_index] if head_scales else (None, None)
+        k = numpy_round_trip(np.asarray(k), kind, k_scale)
+        v = numpy_round_trip(np.asarray(v), kind, v_scale)
         q = np.asarray(q, np.float32)
         tokens, heads, head_dim = q.shape
         group = heads // k.shape[1]
@@ -81,12 +87,75 @@ def test_engine_reads_the_cache_it_quantized(folder, references, kind, backend):
     llm, tokens = generate(folder, kv_cache_dtype=kind, attention_backend=backend)
     layer = llm.engine.replicas[0].runner.caches[0]
     assert layer[0].dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
-    assert len(layer) == (4 if kind == "int8" else 2)  # int8 pages carry their scales
+    assert len(layer) == 4  # int8 pages carry their scale pools, fp8 their head scales
+    if kind == "fp8":
+        np.testing.assert_array_equal(np.asarray(layer[2]), 1.0)  # uncalibrated: scale 1
     assert tokens == references[kind]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert llm.engine.stats().prefix_cache_hits > 0
     assert [list(o.outputs[0].token_ids) for o in again] == references[kind]
+
+
+def calibrated_scales(model, prompt):
+    """Per layer, (k scale, v scale) `[Hkv]` calibrated on the prompt as an fp8 cache does:
+    the largest |k| (|v|) of each kv head over its tokens and head_dim, x 2 / 448, computed
+    in numpy layer by layer, each layer attending over K/V stored with its new scales."""
+    found = {}
+
+    def attention(layer_index, q, k, v, cache):  # calibrates, then attends in numpy
+        scales = tuple(np.where(a > 0, a * 2.0 / 448.0, 1.0) for a in (
+            np.abs(np.asarray(x, np.float32)).max(axis=(0, 2)) for x in (k, v)))
+        found[layer_index] = scales
+        k, v = (numpy_round_trip(np.asarray(x), "fp8", scale) for x, scale in zip((k, v), scales))
+        tokens, heads, head_dim = q.shape
+        group = heads // k.shape[1]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [T, Hq, D]
+        scores = np.einsum("thd,shd->hts", np.asarray(q, np.float32), k) / np.sqrt(head_dim)
+        scores = np.where(np.tril(np.ones((tokens, tokens), bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        return jnp.asarray(np.einsum("hts,shd->thd", weights / weights.sum(-1, keepdims=True),
+                                     v)), cache
+
+    ids = jnp.asarray(prompt, jnp.int32)
+    model(ids, jnp.arange(len(prompt)), [None] * len(model.layers), attention)
+    return [found[i] for i in range(len(model.layers))]
+
+
+@pytest.mark.parametrize("scan_layers,tp", [(False, 1), (True, 1), (False, 2)])
+def test_calibrated_fp8_scales_come_from_the_first_prompt(folder, scan_layers, tp):
+    """calculate_kv_scales: each layer's scales are the first prompt's K/V absmax per kv
+    head (numpy, from the dense model) x 2 / 448; later prompts keep them, and greedy tokens
+    equal the dense model's reading K/V quantized in numpy with those scales. With stacked
+    layers and with the heads split over 2 devices too."""
+    model = load_weights(folder, load_config(folder), jnp.float32, progress=False)
+    first, rest = PROMPTS[2], PROMPTS[:2]
+    with jax.default_device(jax.devices("cpu")[0]):
+        want_scales = calibrated_scales(model, first)
+        dense = DenseGenerator(model, "fp8").calibrated_head_scales(first)  # the bench's
+        np.testing.assert_allclose(np.asarray(dense), np.array(want_scales), rtol=1e-5)
+        want = [quantized_dense_greedy(model, p, NEW_TOKENS, "fp8", want_scales)
+                for p in [first] + rest]
+    llm = LLM(str(folder), dtype="float32", progress=False, kv_cache_dtype="fp8",
+              calculate_kv_scales=True, scan_layers=scan_layers, tensor_parallel_size=tp,
+              **SMALL_ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = []
+    for prompts in ([first], rest):  # the first step holds only the first prompt
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        caches = llm.engine.replicas[0].runner.caches
+        for i, (k_scale, v_scale) in enumerate(want_scales):
+            got = ([np.asarray(x[i]) for x in caches[2:]] if scan_layers
+                   else [np.asarray(x) for x in caches[i][2:]])
+            np.testing.assert_allclose(got[0], k_scale, rtol=1e-5)
+            np.testing.assert_allclose(got[1], v_scale, rtol=1e-5)
+    assert tokens == want
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache(folder):
+    with pytest.raises(ValueError, match="calculate_kv_scales .* needs kv_cache_dtype='fp8'"):
+        LLM(str(folder), kv_cache_dtype="int8", calculate_kv_scales=True, progress=False)
 
 
 def test_tensor_parallel_keeps_int8_tokens(folder, references):

@@ -187,7 +187,8 @@ def test_engine_on_compressed_tensors_generates_transformers_tokens(tmp_path):
     text = metrics.render().decode()
     assert ('jaxserve:quantization_info{activations="false",model_name="fp8-model",'
             'quantization="fp8"} 1.0') in text
-    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",model_name="fp8-model",'
+    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",'
+            f'calculate_kv_scales="false",model_name="fp8-model",'
             f'num_gpu_blocks="{llm.engine.num_pages}"}} 1.0') in text
 
 
@@ -272,5 +273,6 @@ def test_bench_quality_against_transformers_perplexity(capsys):
     assert rows["int8 weights"]["bytes_ratio"] <= 0.55
     assert rows["int8 weights"]["agreement"] >= 0.95 and rows["fp8 weights"]["agreement"] >= 0.9
     assert rows["int8 KV cache"]["agreement"] >= 0.95 and rows["fp8 KV cache"]["agreement"] >= 0.9
+    assert rows["fp8 KV cache, calibrated"]["agreement"] >= 0.9
     float32_kv = rows["baseline"]["kv_bytes_per_token"]
     assert rows["fp8 KV cache"]["kv_bytes_per_token"] * 4 == float32_kv
