@@ -115,11 +115,16 @@ def one_start(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -
 
 
 def time_generate(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -> float:
-    """Wall seconds of `jaxserve generate` (8 tokens), launch to exit."""
+    """Wall seconds of `jaxserve generate` (8 tokens), launch to exit; a failed run raises
+    with the end of its stderr (with the Python stacks of a crash)."""
     launched = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "It is a truth",
-                    "--max-tokens", "8", *_model_args(args), *extra], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=args.timeout)
+    done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "It is a truth",
+                           "--max-tokens", "8", *_model_args(args), *extra], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"jaxserve generate exited with {done.returncode}:\n"
+                           f"{done.stderr[-4000:]}")
     return time.perf_counter() - launched
 
 

@@ -19,7 +19,7 @@ def test_second_start_of_the_shipped_model_is_healthy_in_seconds():
     done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "startup",
                            "--starts", "2", "--cache-dir", str(cache), "--no-baseline"],
                           capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-6000:]
     print("\n" + done.stdout)
     rows = ROW.findall(done.stdout)
     assert [int(r[0]) for r in rows] == [1, 2], done.stdout
