@@ -71,8 +71,8 @@ def calibrate(scale, x, valid):
 
 
 def head_scaled_attention(attend, q, k, v, k_scale, v_scale):
-    """`attend(q, k, v) -> (out, ...)` over pages holding K / k_scale and V / v_scale (per kv head,
-    `[Hkv]`; 0, not yet calibrated, counts as 1): q `[T, Hq, D]` is scaled by k's scale
+    """`attend(q, k, v) -> (out, ...)` over pages holding K / k_scale and V / v_scale (per kv
+    head, `[Hkv]`; 0, not yet calibrated, counts as 1): q `[T, Hq, D]` is scaled by k's scale
     before (q . K = (q * s) . K/s), the new k/v `[T, Hkv, D]` divided by theirs, and the output
     multiplied by v's scale after (p . V = s * p . V/s)."""
     group = q.shape[1] // k.shape[1]

@@ -91,8 +91,9 @@ def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, 
 
 
 # Quantized pages at engine-like shapes: bfloat16 q, head_dim 128, pages of 64 on TPU (8 kv
-# heads and 1: int8 scale rows of 512 and of 64 floats) and of 16 on GPU. Each kind on each TPU generation and on two GPUs (A100 has no
-# fp8 conversions: the GPU kernels decode fp8 bytes with integer ops).
+# heads and 1: int8 scale rows of 512 and of 64 floats) and of 16 on GPU. Each kind on each
+# TPU generation and on two GPUs (A100 has no fp8 conversions: the GPU kernels decode fp8
+# bytes with integer ops).
 QUANT_CASES = [
     (Target("tpu", "v5e", 1), "int8", 32, 8, 64), (Target("tpu", "v6e", 1), "int8", 4, 1, 64),
     (Target("tpu", "v6e", 1), "fp8", 32, 8, 64), (Target("tpu", "v5e", 1), "fp8", 4, 1, 64),
