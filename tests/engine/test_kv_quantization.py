@@ -39,6 +39,19 @@ def numpy_round_trip(x: np.ndarray, kind: str, head_scale=None) -> np.ndarray:
     return codes.astype(np.float32) * scale[:, None]
 
 
+def numpy_causal_attention(q, k, v):
+    """Causal attention in numpy: q `[T, Hq, D]`, k/v `[T, Hkv, D]` float32 → `[T, Hq, D]`."""
+    q = np.asarray(q, np.float32)
+    tokens, heads, head_dim = q.shape
+    group = heads // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [T, Hq, D]
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(head_dim)
+    scores = np.where(np.tril(np.ones((tokens, tokens), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return jnp.asarray(np.einsum("hts,shd->thd", weights, v))
+
+
 def quantized_dense_greedy(model, prompt, steps, kind, head_scales=None):
     """Greedy tokens of the dense model whose attention reads numpy-quantized K/V (fp8:
     with head_scales[layer] = (k scale, v scale) `[Hkv]` each, default 1)."""
@@ -46,15 +59,7 @@ def quantized_dense_greedy(model, prompt, steps, kind, head_scales=None):
         k_scale, v_scale = head_scales[layer_index] if head_scales else (None, None)
         k = numpy_round_trip(np.asarray(k), kind, k_scale)
         v = numpy_round_trip(np.asarray(v), kind, v_scale)
-        q = np.asarray(q, np.float32)
-        tokens, heads, head_dim = q.shape
-        group = heads // k.shape[1]
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [T, Hq, D]
-        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(head_dim)
-        scores = np.where(np.tril(np.ones((tokens, tokens), bool)), scores, -np.inf)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-        return jnp.asarray(np.einsum("hts,shd->thd", weights, v)), cache
+        return numpy_causal_attention(q, k, v), cache
 
     tokens = list(prompt)
     for _ in range(steps):
@@ -108,14 +113,7 @@ def calibrated_scales(model, prompt):
             np.abs(np.asarray(x, np.float32)).max(axis=(0, 2)) for x in (k, v)))
         found[layer_index] = scales
         k, v = (numpy_round_trip(np.asarray(x), "fp8", scale) for x, scale in zip((k, v), scales))
-        tokens, heads, head_dim = q.shape
-        group = heads // k.shape[1]
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [T, Hq, D]
-        scores = np.einsum("thd,shd->hts", np.asarray(q, np.float32), k) / np.sqrt(head_dim)
-        scores = np.where(np.tril(np.ones((tokens, tokens), bool)), scores, -np.inf)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        return jnp.asarray(np.einsum("hts,shd->thd", weights / weights.sum(-1, keepdims=True),
-                                     v)), cache
+        return numpy_causal_attention(q, k, v), cache
 
     ids = jnp.asarray(prompt, jnp.int32)
     model(ids, jnp.arange(len(prompt)), [None] * len(model.layers), attention)
