@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import io
 import logging
 import sys
 
@@ -354,8 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_stacks_on_native_crash() -> None:
+    """A crash in native code (XLA, a compiled program) prints the Python stacks to stderr.
+
+    Skipped when stderr is not a file (``main`` called inside a test's captured output or a
+    notebook): faulthandler writes to a file descriptor, not to a Python stream.
+    """
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable()  # a crash in native code (XLA, a compiled program) prints the stacks
+    _print_stacks_on_native_crash()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
