@@ -8,6 +8,8 @@ in [`--min-prompt-len`, `--max-prompt-len`]:
 - concurrency 1: requests one after another (the first `--sequential-prompts` prompts);
 - concurrency N: all prompts submitted at once, the engine batching up to `--max-num-seqs`;
 - transformers `generate` at batch 1 and at batch `--max-num-seqs` (left padding).
+Both sides decode greedily, or with `--temperature T` both sample at T over the whole
+vocabulary (`SamplingParams()`'s default is T = 1).
 The roofline: bytes of weights read per decode step divided by a read bandwidth measured in
 the same run (a jitted reduction over a large array); the batch-1 decode step time is
 compared with it. Needs the `bench` extra (torch, transformers).
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy on both sides (default); above 0: both sample at this "
+                             "temperature over the whole vocabulary (1.0 is SamplingParams' "
+                             "default, what a user gets without options)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
@@ -95,7 +101,8 @@ def _jaxserve_runs(folder: str, prompts: list[list[int]], args) -> dict:
     options = parse_engine_options(args.engine_option)
     print(f"jaxserve engine options: {options or 'defaults'}", flush=True)
     llm = LLM(folder, dtype=args.dtype, **options)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                            ignore_eos=True, seed=args.seed)
     as_ids = [{"prompt_token_ids": p} for p in prompts]
     start = time.perf_counter()
     step_times = []
@@ -126,7 +133,9 @@ def _hf_runs(folder: str, prompts: list[list[int]], args) -> dict:
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                  do_sample=False, pad_token_id=0)
+                  pad_token_id=0, do_sample=args.temperature > 0)
+    if args.temperature > 0:  # the whole vocabulary, as jaxserve's rows (HF's default is 50)
+        kwargs.update(temperature=args.temperature, top_k=0, top_p=1.0)
 
     def run(batch: list[list[int]]) -> None:
         width = max(len(p) for p in batch)
@@ -165,7 +174,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         hf = None if args.no_hf else _hf_runs(folder, prompts, args)
     n = args.max_num_seqs
     print(f"\n{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, "
-          f"{args.output_len} new tokens each, {args.dtype}, on {jax.devices()[0].platform}")
+          f"{args.output_len} new tokens each, {args.dtype}, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, "
+          f"on {jax.devices()[0].platform}")
     print(f"{'':<26}{'concurrency 1':>16}{f'concurrency {n}':>18}   (output tokens/s)")
     print(f"{'jaxserve':<26}{ours['c1_tokens_per_s']:>16.1f}{ours['cN_tokens_per_s']:>18.1f}")
     if hf:
