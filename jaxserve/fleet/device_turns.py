@@ -3,10 +3,9 @@
 Every engine steps on its own thread and takes a seat (`DeviceTurns.seat`) on the devices of
 its mesh. When two engines' meshes share a device, they take turns on it, round-robin: a turn
 waits for the devices it runs on, and waiters are served in the order they asked. A turn
-covers one of the engine's steps on the device (its dispatch, or the reading of a step it left
-in flight, or both), so a flooded engine cannot keep a shared device for more than one of its
-steps while another engine waits: the other engine's step runs next. Engines on disjoint
-devices never wait for each other.
+covers the dispatch of one of the engine's steps, so a flooded engine cannot put more than one
+step on a shared device ahead of another engine that waits. Engines on disjoint devices never
+wait for each other.
 
 Why steps rather than time slices: a step is the unit the device runs without interruption
 (one compiled program, or a decode loop), and its length is bounded by the engine's buckets;
@@ -15,12 +14,11 @@ quiet model's time to first token close to its value alone while another model i
 
 How a turn bounds the wait (`jaxserve.server.async_engine`): an engine alone on its devices
 dispatches its next step before it reads the last one (host and device overlap), so the
-device has up to two of its steps queued. On a shared device that would make a
-newcomer wait for two steps: the one running when it asked and the one dispatched before
-the engine read it. So an engine whose devices are shared (`Seat.shared`) reads its step in
-flight first and dispatches the next only if nobody waits (`Seat.contended`); when somebody
-does, it reads what it dispatched before giving the turn away, so that a request's first token
-does not wait for the other engine's step as well.
+device has up to two of its steps queued, and a newcomer would wait for both. So an engine
+whose devices are shared (`Seat.shared`) reads its step in flight before it asks for its next
+turn, outside any turn: it has at most one step on the device, a newcomer's step follows at
+most that one, and the newcomer reads its own result as soon as its step is done, without
+waiting for the flooded engine's next turn.
 
 Waiters are ordered by a ticket taken on all their devices at once, under one lock, so a
 waiter that is first on one shared device is first on every device it shares: no deadlock.
@@ -48,18 +46,13 @@ class DeviceTurns:
 
     def seat(self, devices: Iterable[int]) -> Seat:
         """An engine's place on `devices` (until `Seat.leave`): its turns, and whether other
-        engines share or wait for those devices."""
+        engines share those devices."""
         return Seat(self, devices)
 
     def shared(self, devices: Iterable[int]) -> bool:
         """Whether more than one seated engine runs on one of `devices`."""
         with self._changed:
             return any(self._seated[d] > 1 for d in devices)
-
-    def contended(self, devices: Iterable[int]) -> bool:
-        """Whether another engine waits for one of `devices` (call while holding them)."""
-        with self._changed:
-            return any(self._queues[d] for d in devices)
 
     @contextlib.contextmanager
     def turn(self, devices: Iterable[int]) -> Iterator[None]:
@@ -100,10 +93,6 @@ class Seat:
     def shared(self) -> bool:
         """Whether another seated engine runs on one of this engine's devices."""
         return self.turns.shared(self.devices)
-
-    def contended(self) -> bool:
-        """Whether another engine waits for one of this engine's devices."""
-        return self.turns.contended(self.devices)
 
     def leave(self) -> None:
         """Give the seat up (the engine stopped); idempotent."""

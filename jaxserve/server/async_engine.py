@@ -90,8 +90,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                with self.seat.turn() if self.seat else contextlib.nullcontext():
-                    deltas = self._turn()  # a failed step fails only its own requests
+                deltas = self._step_once()  # a failed step fails only its own requests
             except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
                 log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
@@ -102,21 +101,22 @@ class AsyncEngine:
                 self.on_step(deltas)
             self._deliver(deltas)
 
-    def _turn(self) -> list[StreamDelta]:
-        """One step's worth of device work, while holding the devices. Alone on them: the
-        next step is dispatched before the last one is read (host and device overlap). On
-        shared devices: a step left in flight is read first, and the next one dispatched only
-        if no other engine waits; one dispatched while another engine waits is read before
-        the turn is given away. So a waiting engine's step follows at most one of ours."""
-        if self.seat is None or not self.seat.shared():
-            return self.engine.step()
-        if self.engine.has_in_flight:
+    def _step_once(self) -> list[StreamDelta]:
+        """One step of the engine, in a turn of its devices if it has a seat on them.
+
+        Alone on its devices, `step()` dispatches the next step before it reads the last
+        (host and device overlap; the device holds up to two of its steps). On devices
+        shared with another engine, the step left in flight is read first, outside the
+        turn, so the engine has at most one step on the device and a turn is one dispatch:
+        an engine that asks for a turn waits for at most one of ours, and reading its own
+        step never waits for another engine's turn."""
+        deltas = []
+        if self.seat is not None and self.engine.has_in_flight and self.seat.shared():
             deltas = self.engine.read_in_flight()
-            return deltas if self.seat.contended() else deltas + self.engine.step()
-        deltas = self.engine.step()
-        if self.seat.contended():
-            deltas += self.engine.read_in_flight()
-        return deltas
+            if not self.engine.has_unfinished():
+                return deltas
+        with self.seat.turn() if self.seat else contextlib.nullcontext():
+            return deltas + self.engine.step()
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         """Hand a step's deltas to their readers: one wake-up per event loop, not per delta."""

@@ -1,8 +1,7 @@
 """Engines sharing a device: seats tell whether a device is shared, and on a shared device
-an engine's turn is one step of its on the device, so a waiting engine's step follows at
-most one of its steps (an engine alone on its devices keeps two in the pipeline)."""
-
-from types import SimpleNamespace
+an engine's turn is the dispatch of one step, its step in flight read before and outside the
+turn, so a waiting engine's step follows at most one of its steps (an engine alone on its
+devices keeps two in the pipeline)."""
 
 from jaxserve.fleet.device_turns import DeviceTurns
 from jaxserve.server.async_engine import AsyncEngine
@@ -17,45 +16,54 @@ def test_seats_tell_whether_a_device_is_shared():
     second.leave()
     second.leave()  # idempotent
     assert not first.shared()
-    with first.turn():
-        assert not first.contended()
 
 
-class _FakeEngine:
-    """Records what the engine thread asked of it; a dispatched single step stays in
-    flight until read."""
+class _RecordingEngine:
+    """Stands in for the engine's stepping API (the device work is not what is tested) and
+    records each call, with whether the caller held its turn at the time."""
 
-    def __init__(self, in_flight: bool):
-        self.calls: list[str] = []
-        self.has_in_flight = in_flight
+    def __init__(self, seat, in_flight: bool):
+        self.seat, self.calls, self.has_in_flight = seat, [], in_flight
+
+    def _held(self) -> str:
+        return "in turn" if seat_is_held(self.seat) else "outside"
+
+    def has_unfinished(self):
+        return True
 
     def step(self):
-        self.calls.append("read previous + dispatch" if self.has_in_flight else "dispatch")
+        kind = "read previous + dispatch" if self.has_in_flight else "dispatch"
+        self.calls.append(f"{kind} {self._held()}")
         self.has_in_flight = True
         return []
 
     def read_in_flight(self):
-        self.calls.append("read")
+        self.calls.append(f"read {self._held()}")
         self.has_in_flight = False
         return []
 
 
-def _turn(shared: bool, contended: bool, in_flight: bool) -> list[str]:
-    seat = SimpleNamespace(shared=lambda: shared, contended=lambda: contended)
-    engine = _FakeEngine(in_flight)
-    AsyncEngine(engine, max_waiting=8, seat=seat)._turn()
+def seat_is_held(seat) -> bool:
+    """Whether a turn on the seat's devices is running (another engine asking now waits)."""
+    return any(d in seat.turns._busy for d in seat.devices)
+
+
+def _one_step(shared: bool, in_flight: bool) -> list[str]:
+    turns = DeviceTurns()
+    seat = turns.seat([0])
+    if shared:
+        turns.seat([0, 1])
+    engine = _RecordingEngine(seat, in_flight)
+    AsyncEngine(engine, max_waiting=8, seat=seat)._step_once()
     return engine.calls
 
 
 def test_alone_on_its_devices_the_engine_pipelines_its_steps():
-    assert _turn(shared=False, contended=False, in_flight=True) == ["read previous + dispatch"]
+    # the next step is dispatched before the last is read: two of its steps on the device
+    assert _one_step(shared=False, in_flight=True) == ["read previous + dispatch in turn"]
 
 
-def test_on_a_shared_device_a_waiting_engine_goes_after_the_step_in_flight():
-    # someone waits: read the step dispatched at the last turn, dispatch nothing more
-    assert _turn(shared=True, contended=True, in_flight=True) == ["read"]
-    # nobody waits: read it, then dispatch the next (left in flight: host and device overlap)
-    assert _turn(shared=True, contended=False, in_flight=True) == ["read", "dispatch"]
-    # nothing in flight and someone waits: one step, read before the turn is given away
-    assert _turn(shared=True, contended=True, in_flight=False) == ["dispatch", "read"]
-    assert _turn(shared=True, contended=False, in_flight=False) == ["dispatch"]
+def test_on_a_shared_device_a_turn_is_one_dispatch_and_reads_need_no_turn():
+    # the step in flight is read first, outside the turn; the turn only dispatches the next
+    assert _one_step(shared=True, in_flight=True) == ["read outside", "dispatch in turn"]
+    assert _one_step(shared=True, in_flight=False) == ["dispatch in turn"]
