@@ -197,35 +197,64 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(logits == peak, index, logits.shape[-1]), axis=-1)
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 → int32 keys in the same order (the bits, negatives' magnitude flipped), so
+    that a threshold between any two distinct floats is found by 32 halvings."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
+    """Per row of `keys [B, V]`, the largest key t (between the row's smallest and largest)
+    for which `holds(t [B, 1]) → [B] bool` is true, `holds` being true for small t and false
+    for large: a binary search of 32 steps, each one pass over the row. The smallest key is
+    the answer when nothing larger holds."""
+    low = jnp.min(keys, axis=-1, keepdims=True)  # [B, 1]
+    high = jnp.max(keys, axis=-1, keepdims=True) + 1  # [B, 1], never holds
+
+    def halve(_, bounds):
+        low, high = bounds
+        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2)
+        ok = holds(mid)[:, None]
+        return jnp.where(ok, mid, low), jnp.where(ok, high, mid)
+
+    return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
+
+
 def _rank_filtered(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
-    """`[B, V]` temperature-scaled logits with the tokens outside each row's top-k and top-p
-    at -inf. Both keep a prefix of the tokens ranked by probability, so the row's cutoff is
-    the logit of its last kept token (a token tied with it stays too); the result stays in
-    token order, as the draw needs. Costs a sort of every row."""
+    """`[B, V]` temperature-scaled logits with the tokens outside each row's top-k, then
+    top-p, at -inf, in token order.
+
+    Both keep the most likely tokens down to a cutoff, so each is a threshold found by binary
+    search, as tpu-inference does, rather than by sorting the row: top-k's cutoff is the
+    largest logit with at least k tokens at or above it, top-p's the largest with at least
+    `top_p` of the probability (after top-k) at or above it, which keeps the smallest set of
+    top tokens whose mass reaches `top_p`. 64 passes over `[B, V]` instead of a sort (a
+    sort's many passes and its permutation are what TPUs and XLA:CPU do slowest). A token
+    tied with a cutoff stays; the most likely token always stays."""
     vocab = scaled.shape[-1]
-    ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
-    rank = jnp.arange(vocab)[None, :]  # [1, V]
-    top_k = jnp.where(arrays.top_k > 0, arrays.top_k, vocab)[:, None]  # [B, 1]
-    keep = rank < top_k
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)  # [B, V]
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
-    keep &= (mass_before < arrays.top_p[:, None]) | (rank == 0)
-    last_kept = jnp.sum(keep, axis=-1, keepdims=True) - 1  # [B, 1]
-    cutoff = jnp.take_along_axis(ranked, last_kept, axis=-1)  # [B, 1]
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    keys = _ordered_keys(scaled)  # [B, V]
+    bottom = jnp.min(keys, axis=-1, keepdims=True)  # [B, 1] keeps every token
+    top_k = arrays.top_k[:, None]  # [B, 1]
+    k_cut = _largest_key_where(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= top_k[:, 0])
+    k_cut = jnp.where((top_k > 0) & (top_k < vocab), k_cut, bottom)
+    probs = jax.nn.softmax(jnp.where(keys >= k_cut, scaled, -jnp.inf), axis=-1)  # [B, V]
+    p_cut = _largest_key_where(keys, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0),
+                                                       axis=-1) >= arrays.top_p)
+    p_cut = jnp.where(arrays.top_p[:, None] < 1, p_cut, bottom)
+    return jnp.where(keys >= jnp.maximum(k_cut, p_cut), scaled, -jnp.inf)
 
 
 def _filtered_sample(logits: jax.Array, arrays: SamplingArrays,
                      positions: jax.Array) -> jax.Array:
     """Temperature, then top-k and top-p, then min-p, then one categorical draw per row.
 
-    Top-k and top-p need the row's tokens ranked: a sort of `[B, V]`, the costliest part of
-    sampling on every platform (tens of ms for 64 rows of a 4k vocabulary on a CPU; more for
-    a 128k vocabulary on an accelerator), so it runs only when some row of the batch asks for
-    one of them (a `lax.cond`). Min-p needs no ranking: a token's probability over the top
-    one's is exp(its logit - the top logit), whatever the normalization. The draw is a Gumbel
-    argmax in token order, keyed by (seed, position), so a row gets the same token whether or
-    not its batch sorted."""
+    Top-k and top-p search each row for a cutoff (`_rank_filtered`: 64 passes over
+    `[B, V]`), so they run only when some row of the batch asks for one of them (a
+    `lax.cond`). Min-p needs no search: a token's probability over the top one's is
+    exp(its logit - the top logit), whatever the normalization. The draw is a Gumbel argmax
+    in token order, keyed by (seed, position), so a row gets the same token whether or not
+    its batch searched for cutoffs."""
     vocab = logits.shape[-1]
     temperature = jnp.where(arrays.temperature > 0, arrays.temperature, 1.0)
     scaled = logits / temperature[:, None]  # [B, V]

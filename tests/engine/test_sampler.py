@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.batcher import SamplingArrays
-from jaxserve.engine.sampler import (TokenCounts, allowed_tokens, sample, sample_with_logprobs,
-                                     target_logprobs)
+from jaxserve.engine.sampler import (TokenCounts, _rank_filtered, allowed_tokens, sample,
+                                     sample_with_logprobs, target_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.sampling_params import SamplingParams
 
@@ -88,6 +88,36 @@ def test_different_seeds_give_different_tokens():
             assert not np.array_equal(runs[a], runs[b]), (a, b)
     # A seed is taken mod 2**32, so 7 and 2**32 + 7 are the same seed.
     np.testing.assert_array_equal(_seeded_run(2**32 + 7), runs[0])
+
+
+def _numpy_top_k_top_p(row: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p keep, by sorting (float64): the k most likely, then the
+    fewest of those, most likely first, whose renormalized mass reaches top_p."""
+    order = np.argsort(-row, kind="stable")
+    if 0 < top_k < len(row):
+        order = order[:top_k]
+    probs = np.exp(row[order].astype(np.float64) - row[order].max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    return set(order[(mass_before < top_p) | (np.arange(len(order)) == 0)].tolist())
+
+
+def test_top_k_and_top_p_cutoffs_equal_a_sorting_reference():
+    vocab = 1000
+    rng = np.random.default_rng(3)
+    cases = [(0, 0.9), (1, 1.0), (5, 1.0), (vocab - 1, 1.0), (0, 0.01), (50, 0.5), (3, 0.999),
+             (0, 1.0), (200, 0.95), (0, 0.3)]
+    logits = (rng.normal(size=(len(cases), vocab)) * rng.uniform(0.5, 4, (len(cases), 1)))
+    logits = logits.astype(np.float32)
+    logits[1, ::3] = -np.inf  # a grammar's forbidden tokens
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=i)
+              for i, (k, p) in enumerate(cases)]
+    arrays = SamplingArrays.from_params(params, list(range(len(cases))), len(cases))
+    kept = np.isfinite(np.asarray(jax.jit(_rank_filtered)(logits, arrays)))
+    for row, (k, p) in enumerate(cases):
+        expected = _numpy_top_k_top_p(logits[row], k, p) if (0 < k < vocab or p < 1) else \
+            set(np.flatnonzero(np.isfinite(logits[row])).tolist())
+        assert set(np.flatnonzero(kept[row]).tolist()) == expected, (row, k, p)
 
 
 @pytest.mark.parametrize("field, value", [
