@@ -13,7 +13,9 @@ steps (`jaxserve.fleet.device_turns`).
    while the busy model is flooded (`--flood-concurrency` streaming completions of
    `--flood-max-tokens` tokens, eos ignored, each replaced as soon as it finishes, sent from
    a process of their own; the measurement starts once each of them has had a request
-   stream, and the flood lasts until it ends). Printed: quiet TTFT p50/p90 alone and under
+   stream, and the flood lasts until it ends). With `--no-flood-stream` the flood's
+   requests are answered whole, as a batch client's, which an engine alone on its device
+   would run as decode loops of `num_decode_steps`. Printed: quiet TTFT p50/p90 alone and under
    flood, their ratio (the target: p50 under flood within 3x of alone), and the busy model's
    output tokens/s during the flood.
 2. Reload timeline. While `--reload-concurrency` streaming requests to "quiet" run (each
@@ -62,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="streaming requests kept in flight to the busy model")
     parser.add_argument("--flood-max-tokens", type=int, default=128,
                         help="tokens each flood request generates (eos ignored)")
+    parser.add_argument("--flood-stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="the flood's requests stream (default), or, with "
+                             "--no-flood-stream, each gets its whole answer at once (a "
+                             "batch client: the engine may run decode loops for them)")
     parser.add_argument("--reload-concurrency", type=int, default=32,
                         help="streaming requests kept in flight during the reloads")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
@@ -181,13 +187,36 @@ async def _stream(client: httpx.AsyncClient, body: dict, result: _Result) -> Non
         result.error = f"{type(err).__name__}: {err}"
 
 
+async def _complete(client: httpx.AsyncClient, body: dict, result: _Result) -> None:
+    """One completion, not streamed, into `result`: its one chunk is the whole text, when
+    it arrives."""
+    result.start = time.perf_counter()
+    try:
+        response = await client.post("/v1/completions", json=body, timeout=REQUEST_TIMEOUT)
+        result.version = response.headers.get("x-jaxserve-model-version", "")
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:200]!r}"
+            return
+        answer = response.json()
+        now = time.perf_counter()
+        result.ttft = now - result.start
+        result.chunks.append((now, len(answer["choices"][0]["text"])))
+        result.tokens = answer["usage"]["completion_tokens"]
+        result.ok = result.tokens > 0
+        if not result.ok:
+            result.error = "no tokens"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, IndexError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+
+
 class _Load:
     """`concurrency` workers, each sending requests (`make_body(index)`) one after another
-    until `stop()`: as many requests in flight as workers, for as long as it runs."""
+    until `stop()`: as many requests in flight as workers, for as long as it runs. They
+    stream (`_stream`) unless `send` says otherwise (`_complete`)."""
 
     def __init__(self, client: httpx.AsyncClient, concurrency: int,
-                 make_body: Callable[[int], dict]):
-        self.client, self.make_body = client, make_body
+                 make_body: Callable[[int], dict], send=_stream):
+        self.client, self.make_body, self.send = client, make_body, send
         self.results: list[_Result] = []  # finished, failed and cancelled
         self.in_flight: list[_Result] = []
         self._count = 0
@@ -201,7 +230,7 @@ class _Load:
             self._count += 1
             self.in_flight.append(result)
             try:
-                await _stream(self.client, body, result)
+                await self.send(self.client, body, result)
             except asyncio.CancelledError:
                 result.cancelled = True
                 return
@@ -215,8 +244,9 @@ class _Load:
         return sum(bool(r.chunks) for r in self.in_flight)
 
     async def wait_all_served(self, timeout: float = 300.0) -> None:
-        """Until every worker has had a request stream (the engine has taken in the whole
-        load, also when it runs fewer at once than there are workers) or `timeout`."""
+        """Until every worker has had a request stream, or answered when they do not (the
+        engine has taken in the whole load, also when it runs fewer at once than there are
+        workers) or `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and sum(
                 bool(r.chunks) for r in self.results + self.in_flight) < len(self._tasks):
@@ -303,24 +333,26 @@ FLOOD_LINE = "jaxserve-bench-flood: "  # how the flood process's messages start
 
 
 def flood_main() -> None:
-    """The flood's own process (`python -c`, arguments: url, concurrency, max_tokens): once
-    every worker has had a request stream, writes how many stream; then reads the
-    measurement's "since until" and writes the flood's result (JSON lines on stdout)."""
+    """The flood's own process (`python -c`, arguments: url, concurrency, max_tokens,
+    "stream" or "complete"): once every worker has had a request stream (or answered),
+    writes how many are in flight; then reads the measurement's "since until" and writes
+    the flood's result (JSON lines on stdout)."""
     url, concurrency, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    asyncio.run(_flood(url, concurrency, max_tokens))
+    asyncio.run(_flood(url, concurrency, max_tokens, sys.argv[4] == "stream"))
 
 
 def _tell(message) -> None:
     print(FLOOD_LINE + json.dumps(message), flush=True)
 
 
-async def _flood(url: str, concurrency: int, max_tokens: int) -> None:
+async def _flood(url: str, concurrency: int, max_tokens: int, stream: bool) -> None:
     async with _client(url, concurrency) as client:
-        load = _Load(client, concurrency, lambda index: _flood_body(index, max_tokens))
+        load = _Load(client, concurrency, lambda index: _flood_body(index, max_tokens),
+                     send=_stream if stream else _complete)
         await load.wait_all_served()
-        _tell(load.streaming)
+        _tell(load.streaming if stream else len(load.in_flight))
         since, until = map(float, (await asyncio.to_thread(sys.stdin.readline)).split())
-        streaming = load.streaming
+        streaming = load.streaming if stream else len(load.in_flight)
         # cancel the unfinished requests, unless none finished to count tokens by
         await load.stop(cancel=bool(load.completed))
     _tell({"throughput": {**_flood_tokens_per_second(load, since, until),
@@ -339,10 +371,12 @@ class _FloodProcess:
         self._process = process
 
     @classmethod
-    async def start(cls, url: str, concurrency: int, max_tokens: int) -> _FloodProcess:
+    async def start(cls, url: str, concurrency: int, max_tokens: int,
+                    stream: bool) -> _FloodProcess:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "from jaxserve.bench.models_bench import flood_main; "
             "flood_main()", url, str(concurrency), str(max_tokens),
+            "stream" if stream else "complete",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         return cls(process)
 
@@ -372,7 +406,8 @@ class _FloodProcess:
 
 
 async def _isolation(server: _Server, requests: int, flood_concurrency: int,
-                     flood_max_tokens: int, say: Callable[[str], None]) -> dict:
+                     flood_max_tokens: int, flood_stream: bool,
+                     say: Callable[[str], None]) -> dict:
     busy = server.state.fleet.table.pinned["busy@1"]
     quiet = server.state.fleet.table.pinned["quiet@1"]
     devices = {"busy@1": list(busy.device_ids), "quiet@1": list(quiet.device_ids)}
@@ -387,13 +422,15 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
         alone = await _quiet_requests(client, requests, 0)
         engine_alone = _engine_ttfts(quiet)[before:]
 
-        say(f"  flooding busy from another process: {flood_concurrency} streaming requests "
+        kind = "streaming" if flood_stream else "non-streamed"
+        say(f"  flooding busy from another process: {flood_concurrency} {kind} requests "
             f"in flight (max_tokens {flood_max_tokens}, ignore_eos)...")
-        flood = await _FloodProcess.start(server.url, flood_concurrency, flood_max_tokens)
+        flood = await _FloodProcess.start(server.url, flood_concurrency, flood_max_tokens,
+                                          flood_stream)
         try:
             running = await flood.established()
             say(f"  quiet under flood: {requests} sequential requests "
-                f"({running} busy requests streaming)...")
+                f"({running} busy requests {'streaming' if flood_stream else 'in flight'})...")
             since = time.perf_counter()
             before = len(_engine_ttfts(quiet))
             flooded = await _quiet_requests(client, requests, requests)
@@ -415,6 +452,7 @@ async def _isolation(server: _Server, requests: int, flood_concurrency: int,
         "quiet_max_tokens": QUIET_MAX_TOKENS,
         "flood_concurrency": flood_concurrency,
         "flood_max_tokens": flood_max_tokens,
+        "flood_stream": flood_stream,
         "quiet_ttft_alone_s": ttft_alone,
         "quiet_ttft_flooded_s": ttft_flooded,
         "ttft_ratio": ratio,
@@ -440,7 +478,8 @@ def format_isolation(r: dict) -> str:
 
     a, f, ratio = r["quiet_ttft_alone_s"], r["quiet_ttft_flooded_s"], r["ttft_ratio"]
     ea, ef = r["quiet_engine_ttft_alone_s"], r["quiet_engine_ttft_flooded_s"]
-    flood = f"busy flooded ({r['flood_concurrency']} in flight, max_tokens " \
+    flood = f"busy flooded ({r['flood_concurrency']} " \
+            f"{'streaming' if r['flood_stream'] else 'not streamed'}, max_tokens " \
             f"{r['flood_max_tokens']})"
     thr = r["busy_throughput"]
     lines = [
@@ -591,7 +630,7 @@ def format_reloads(r: dict) -> str:
 # ---- both ------------------------------------------------------------------------------
 def run_benchmark(model: str | None = None, requests: int = 20, flood_concurrency: int = 64,
                   flood_max_tokens: int = 128, reload_concurrency: int = 32,
-                  say: Callable[[str], None] = print,
+                  say: Callable[[str], None] = print, flood_stream: bool = True,
                   engine_options: dict | None = None) -> dict:
     """Both measurements on one server; the returned dict is what `--json` writes.
     `engine_options`: for every entry of the models file (none by default, as a user runs
@@ -611,7 +650,7 @@ def run_benchmark(model: str | None = None, requests: int = 20, flood_concurrenc
             say(f"  ready in {ready:.1f} s")
             say("isolation: quiet's time to first token, alone and while busy is flooded")
             isolation = asyncio.run(_isolation(server, requests, flood_concurrency,
-                                               flood_max_tokens, say))
+                                               flood_max_tokens, flood_stream, say))
             say(f"reloads: {reload_concurrency} streaming requests to \"quiet\" in flight "
                 "while the models file changes")
             reload = asyncio.run(_reloads(server, models_file, model, options,
@@ -627,7 +666,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     summary = run_benchmark(args.model, args.requests, args.flood_concurrency,
-                            args.flood_max_tokens, args.reload_concurrency, say)
+                            args.flood_max_tokens, args.reload_concurrency, say,
+                            flood_stream=args.flood_stream)
     print()
     print("== isolation: quiet model's time to first token while another model is flooded")
     print(format_isolation(summary["isolation"]))

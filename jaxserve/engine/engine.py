@@ -283,12 +283,12 @@ class Engine:
         return deltas
 
     # ---- stepping -----------------------------------------------------------------------
-    def step(self) -> list[StreamDelta]:
+    def step(self, max_decode_steps: int | None = None) -> list[StreamDelta]:
         """Dispatch every busy replica's next step, then read the step each dispatched before
         (so the host's work on one step's tokens overlaps the device's next step); return
         what each request gained. A decode loop is read at once (how many tokens it made
         decides the next step), and so is a step with penalty rows (their token counts need
-        the tokens on the host)."""
+        the tokens on the host). `max_decode_steps` caps a decode loop's length."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         deltas = self._drain_inbox()
@@ -299,7 +299,8 @@ class Engine:
                 if previous is not None and previous.needs_host_tokens:
                     self._complete(replica, previous, deltas)
                     previous = None
-                dispatched.append((replica, previous, self._dispatch(replica)))
+                dispatched.append((replica, previous,
+                                   self._dispatch(replica, max_decode_steps)))
             except Exception as err:  # noqa: BLE001 - fails that step's requests only
                 self._recover(replica, err, deltas, previous)
         for replica, previous, flight in dispatched:
@@ -374,10 +375,10 @@ class Engine:
             self.failure = reason
             raise EngineFailedError(reason) from err
 
-    def _dispatch(self, replica: Replica) -> InFlight | None:
+    def _dispatch(self, replica: Replica, max_decode_steps: int | None) -> InFlight | None:
         """Schedule and launch a replica's next step (None if it has no work); a single step
         is booked at once (`Scheduler.advance`), a decode loop when it is read."""
-        plan = replica.scheduler.schedule()
+        plan = replica.scheduler.schedule(max_decode_steps)
         if not plan.chunks:
             return None
         replica.scheduling = plan  # until it is in flight: whose requests fail if this raises

@@ -251,7 +251,9 @@ class Scheduler:
                 "num_preemptions": self.num_preemptions}
 
     # ---- scheduling ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_decode_steps: int | None = None) -> SchedulerOutput:
+        """This step's work. `max_decode_steps` caps a decode loop below `num_decode_steps`
+        (an engine sharing its devices runs one step per turn)."""
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(chunks=[])
         for seq in list(self.running):
@@ -270,7 +272,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         if out.chunks and all(c.seq.is_decoding for c in out.chunks):
             out.decode_only = True
-            out.num_decode_steps = self._decode_steps(out)
+            out.num_decode_steps = self._decode_steps(out, max_decode_steps)
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.seq.times.first_scheduled is None:
@@ -298,12 +300,12 @@ class Scheduler:
             budget -= count
         return budget
 
-    def _decode_steps(self, out: SchedulerOutput) -> int:
-        """As many decode steps as configured if pages for all of them, for every sequence,
-        can be reserved (all or none, so a fallback to one step holds no extra pages); one
-        if a request streams (its tokens would otherwise arrive in bursts) or samples under
+    def _decode_steps(self, out: SchedulerOutput, limit: int | None) -> int:
+        """As many decode steps as configured (at most `limit`) if pages for all of them,
+        for every sequence, can be reserved (all or none, so a fallback to one step holds no
+        extra pages); one if a request streams (its tokens would otherwise arrive in bursts) or samples under
         a grammar (its next bitmask needs the token just sampled)."""
-        steps = self.config.num_decode_steps
+        steps = min(self.config.num_decode_steps, limit or self.config.num_decode_steps)
         if steps == 1 or any(c.seq.params.output_kind == "delta" or c.seq.grammar is not None
                              for c in out.chunks):
             return 1

@@ -109,14 +109,17 @@ class AsyncEngine:
         shared with another engine, the step left in flight is read first, outside the
         turn, so the engine has at most one step on the device and a turn is one dispatch:
         an engine that asks for a turn waits for at most one of ours, and reading its own
-        step never waits for another engine's turn."""
-        deltas = []
-        if self.seat is not None and self.engine.has_in_flight and self.seat.shared():
-            deltas = self.engine.read_in_flight()
-            if not self.engine.has_unfinished():
-                return deltas
-        with self.seat.turn() if self.seat else contextlib.nullcontext():
-            return deltas + self.engine.step()
+        step never waits for another engine's turn. A step there is one decode step, never
+        a loop of `num_decode_steps` (requests that do not stream lose that speed-up while
+        the devices are shared)."""
+        if self.seat is None or not self.seat.shared():
+            with self.seat.turn() if self.seat else contextlib.nullcontext():
+                return self.engine.step()
+        deltas = self.engine.read_in_flight() if self.engine.has_in_flight else []
+        if not self.engine.has_unfinished():
+            return deltas
+        with self.seat.turn():
+            return deltas + self.engine.step(max_decode_steps=1)
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         """Hand a step's deltas to their readers: one wake-up per event loop, not per delta."""

@@ -62,6 +62,17 @@ def test_all_decode_step_runs_several_decode_steps_with_pages_reserved():
     assert len(a.pages) * 16 >= a.num_computed_tokens + 4
 
 
+@pytest.mark.parametrize("limit, steps", [(1, 1), (3, 3), (16, 4)])
+def test_a_decode_loop_is_capped_by_the_callers_limit(limit, steps):
+    sched = make_scheduler(decode_steps=4)
+    a = seq("a", 15)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    out = sched.schedule(max_decode_steps=limit)
+    assert out.decode_only and out.num_decode_steps == steps
+    assert len(a.pages) == -(-(a.num_computed_tokens + steps) // 16)  # pages for those only
+
+
 def test_a_streamed_request_decodes_one_token_per_step_for_its_whole_batch():
     sched = make_scheduler(decode_steps=4, budget=64)
     batch = seq("batch", 15), seq("streamed", 15, output_kind="delta")

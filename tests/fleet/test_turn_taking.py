@@ -31,9 +31,10 @@ class _RecordingEngine:
     def has_unfinished(self):
         return True
 
-    def step(self):
+    def step(self, max_decode_steps=None):
         kind = "read previous + dispatch" if self.has_in_flight else "dispatch"
-        self.calls.append(f"{kind} {self._held()}")
+        loop = "" if max_decode_steps is None else f", loops of {max_decode_steps}"
+        self.calls.append(f"{kind} {self._held()}{loop}")
         self.has_in_flight = True
         return []
 
@@ -64,6 +65,8 @@ def test_alone_on_its_devices_the_engine_pipelines_its_steps():
 
 
 def test_on_a_shared_device_a_turn_is_one_dispatch_and_reads_need_no_turn():
-    # the step in flight is read first, outside the turn; the turn only dispatches the next
-    assert _one_step(shared=True, in_flight=True) == ["read outside", "dispatch in turn"]
-    assert _one_step(shared=True, in_flight=False) == ["dispatch in turn"]
+    # the step in flight is read first, outside the turn; the turn only dispatches the next,
+    # a single decode step (no decode loop holds the device for several)
+    assert _one_step(shared=True, in_flight=True) == ["read outside",
+                                                      "dispatch in turn, loops of 1"]
+    assert _one_step(shared=True, in_flight=False) == ["dispatch in turn, loops of 1"]
