@@ -243,6 +243,12 @@ class _Load:
         """Requests in flight that have streamed their first token."""
         return sum(bool(r.chunks) for r in self.in_flight)
 
+    @property
+    def running(self) -> int:
+        """Requests known to be running: those streaming, or all in flight when the
+        requests are answered whole (nothing tells when one has started)."""
+        return self.streaming if self.send is _stream else len(self.in_flight)
+
     async def wait_all_served(self, timeout: float = 300.0) -> None:
         """Until every worker has had a request stream, or answered when they do not (the
         engine has taken in the whole load, also when it runs fewer at once than there are
@@ -350,15 +356,15 @@ async def _flood(url: str, concurrency: int, max_tokens: int, stream: bool) -> N
         load = _Load(client, concurrency, lambda index: _flood_body(index, max_tokens),
                      send=_stream if stream else _complete)
         await load.wait_all_served()
-        _tell(load.streaming if stream else len(load.in_flight))
+        _tell(load.running)
         since, until = map(float, (await asyncio.to_thread(sys.stdin.readline)).split())
-        streaming = load.streaming if stream else len(load.in_flight)
+        running = load.running
         # cancel the unfinished requests, unless none finished to count tokens by
         await load.stop(cancel=bool(load.completed))
     _tell({"throughput": {**_flood_tokens_per_second(load, since, until),
                           "completed": len(load.completed),
                           "cancelled": sum(r.cancelled for r in load.results)},
-           "streaming_at_end": streaming, "failed": len(load.failed),
+           "streaming_at_end": running, "failed": len(load.failed),
            "errors": _errors(load.failed)})
 
 

@@ -303,8 +303,8 @@ class Scheduler:
     def _decode_steps(self, out: SchedulerOutput, limit: int | None) -> int:
         """As many decode steps as configured (at most `limit`) if pages for all of them,
         for every sequence, can be reserved (all or none, so a fallback to one step holds no
-        extra pages); one if a request streams (its tokens would otherwise arrive in bursts) or samples under
-        a grammar (its next bitmask needs the token just sampled)."""
+        extra pages); one if a request streams (its tokens would otherwise arrive in bursts)
+        or samples under a grammar (its next bitmask needs the token just sampled)."""
         steps = min(self.config.num_decode_steps, limit or self.config.num_decode_steps)
         if steps == 1 or any(c.seq.params.output_kind == "delta" or c.seq.grammar is not None
                              for c in out.chunks):
