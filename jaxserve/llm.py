@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxserve.loading import checkpoint
-from jaxserve.model.config import (ModelConfig, eos_token_ids, load_config, resolve_dtype,
+from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
                                    with_quantization)
 from jaxserve.engine.engine import Engine, engine_mesh
 from jaxserve.engine.config import EngineConfig
@@ -72,7 +72,7 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise ValueError(f"model {model!r} is not a folder")
-    model_config = load_config(model_dir)
+    model_config = checkpoint.model_config(model_dir)
     preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
                                                    engine_options)
     resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
@@ -81,9 +81,6 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     model_config = with_quantization(model_config, engine_config.quantization,
                                      engine_config.quantize_activations, first.platform,
                                      first.device_kind)
-    if model_config.quantization is not None and checkpoint.is_checkpoint(model_dir):
-        raise ValueError("quantization: orbax checkpoints are restored as saved; quantize "
-                         "from the Hugging Face folder instead")
     return Settings(model_dir, model_config, resolved_dtype, engine_config)
 
 

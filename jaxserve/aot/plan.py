@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
-from jaxserve.model.config import load_config, with_quantization
+from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
+from jaxserve.model.config import with_quantization
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
@@ -157,7 +158,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     Raises `ValueError` for bad usage (an option that cannot work, a CPU preset); a plan that
     does not fit or a program that fails to compile is a result (`fits` false, `reason`)."""
     target = plan_target(preset)
-    model_config = load_config(model_dir)
+    model_config = checkpoint_model_config(model_dir)
     param_dtype = resolve_dtype(dtype or preset.dtype or "auto", model_config.checkpoint_dtype)
     engine = engine_config_for(model_config, {**preset.engine_options, **(overrides or {})})
     model_config = with_quantization(model_config, engine.quantization,

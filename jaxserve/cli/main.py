@@ -231,7 +231,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from jaxserve.loading.checkpoint import convert
 
-    convert(args.model, args.out)
+    convert(args.model, args.out, dtype=args.dtype, quantization=args.quantization)
     return 0
 
 
@@ -310,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="write an orbax checkpoint of an HF folder")
     convert.add_argument("--model", required=True, help="Hugging Face model folder")
     convert.add_argument("--out", required=True, help="checkpoint folder to create")
+    convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                         help="dtype of the saved float weights (default: the checkpoint's)")
+    convert.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                         help="save the weights quantized (int8/fp8 codes, per-channel "
+                              "scales): restores skip quantizing on every start")
     convert.set_defaults(handler=_convert)
 
     plan = commands.add_parser(

@@ -3,7 +3,7 @@ straight into any mesh's sharding.
 
 A checkpoint folder is self-contained:
 
-    CKPT/jaxserve_checkpoint.json   marker: format, version, parameter dtype
+    CKPT/jaxserve_checkpoint.json   marker: format, version, parameter dtype, quantization
     CKPT/params/                    orbax (tensorstore) arrays, one per model parameter,
                                     keyed "layers.0.attn.q_proj", in the model's own layout
     CKPT/config.json, tokenizer*, generation_config.json, ...   copied from the HF folder
@@ -13,10 +13,20 @@ checkpoint written on one mesh restores onto any other: `restore` asks orbax for
 parameter with its target `NamedSharding`, and every device reads only its own chunk. When
 tensor_parallel_size exceeds the kv heads, k/v projections are read whole onto each device
 (they are small) and repeated on device into their sharded layout.
+
+Quantized weights (`jaxserve.model.quantization`) take two routes:
+- **saved quantized** (`convert(..., quantization="int8")`, or a compressed-tensors folder):
+  the int8/fp8 codes and float32 scales are the saved arrays, restored as they are. The
+  marker records the scheme; config.json loses its `quantization_config`, which describes
+  Hugging Face's tensor layout, not this one. The fast path for restarts.
+- **quantized on restore** (an unquantized checkpoint loaded with `quantization=`): each
+  weight to quantize is restored alone in float32 with its target sharding, quantized on the
+  devices and freed, so the devices hold the quantized model plus one float weight at most.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -29,10 +39,12 @@ from jax.sharding import Mesh
 
 import sharding
 
-from jaxserve.model.config import ModelConfig, load_config, resolve_dtype
+from jaxserve.model.config import (ModelConfig, WeightQuantization, load_config, resolve_dtype,
+                                   with_quantization)
 from jaxserve.model import LlamaModel
-from jaxserve.loading.weights import (abstract_model, kv_axis, load_weights, param_shardings,
-                                      sharded_config)
+from jaxserve.model.quantization import CONTRACTED_AXES, SCALE_SUFFIX, quantize, quantizes
+from jaxserve.loading.weights import (abstract_model, kv_axis, load_weights, param_dtypes,
+                                      param_shardings, sharded_config)
 
 MARKER = "jaxserve_checkpoint.json"
 FORMAT, VERSION = "jaxserve-orbax", 1
@@ -48,13 +60,39 @@ def _key(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _read_marker(folder: Path) -> dict:
+    marker = json.loads((folder / MARKER).read_text())
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise ValueError(f"{folder / MARKER} is not a {FORMAT} v{VERSION} checkpoint: {marker}")
+    return marker
+
+
+def saved_quantization(folder: str | Path) -> WeightQuantization | None:
+    """The weight quantization a checkpoint's arrays were saved in (None: float weights)."""
+    saved = _read_marker(Path(folder).absolute()).get("quantization")
+    return None if saved is None else WeightQuantization(saved["method"],
+                                                         tuple(saved.get("skip", ())))
+
+
+def model_config(model_dir: str | Path) -> ModelConfig:
+    """The config of a Hugging Face folder or a `convert` checkpoint (whose weights may be
+    saved quantized: the marker says so, not config.json)."""
+    cfg = load_config(model_dir)
+    if is_checkpoint(model_dir):
+        cfg = dataclasses.replace(cfg, quantization=saved_quantization(model_dir))
+    return cfg
+
+
 def convert(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
-            progress: bool = True) -> Path:
+            quantization: str | None = None, progress: bool = True) -> Path:
     """Write the Hugging Face model folder `model_dir` as an orbax checkpoint in `out_dir`
     (created; must not exist or be empty). `dtype` "float32" / "bfloat16" (default: the
-    checkpoint's own, float16 stored as bfloat16). Returns the output folder.
+    checkpoint's own, float16 stored as bfloat16). `quantization` "int8" / "fp8" saves the
+    weights quantized (a compressed-tensors folder is saved quantized as it is). Returns the
+    output folder.
 
-    Tensors are read one at a time and kept on the host (numpy), never on a device.
+    Tensors are read (and quantized) one at a time and kept on the host (numpy), never on a
+    device.
     """
 
     src, out = Path(model_dir), Path(out_dir).absolute()
@@ -62,10 +100,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None
         raise ValueError(f"model_dir {str(model_dir)!r} is not a folder")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"out_dir {str(out_dir)!r} exists and is not empty")
-    cfg = load_config(src)
+    cfg = with_quantization(load_config(src), quantization)
     jdtype = resolve_dtype(dtype or "auto", cfg.checkpoint_dtype)
     name = jnp.dtype(jdtype).name
-    host = lambda array, path: np.asarray(array, dtype=jnp.dtype(jdtype))  # noqa: E731
+    dtypes = param_dtypes(cfg, jdtype)  # codes and scales keep their own dtypes
+    host = lambda array, path: np.asarray(array, dtype=dtypes[path])  # noqa: E731
     model = load_weights(src, cfg, jdtype, place=host, progress=progress)
     params = {_key(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
     out.mkdir(parents=True, exist_ok=True)
@@ -75,38 +114,74 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None
             shutil.copy2(file, out / file.name)
     hf_config = json.loads((src / "config.json").read_text())
     hf_config["torch_dtype"] = hf_config["dtype"] = name  # what "auto" should restore
+    hf_config.pop("quantization_config", None)  # the marker says how the arrays are stored
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
 
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "params", params)
         checkpointer.wait_until_finished()
+    quant = cfg.quantization
+    saved = None if quant is None else {"method": quant.method, "skip": list(quant.skip)}
     (out / MARKER).write_text(json.dumps({"format": FORMAT, "version": VERSION,
-                                          "dtype": name}))
+                                          "dtype": name, "quantization": saved}))
     return out
 
 
 def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaModel:
     """A `LlamaModel` restored from a `convert` checkpoint directly onto `mesh` (as
-    `jaxserve.loading.weights.shard_model` would place it), cast to `dtype`."""
+    `jaxserve.loading.weights.shard_model` would place it), float weights cast to `dtype`.
+
+    `cfg.quantization` is the checkpoint's own (`saved_quantization`) or, for a checkpoint
+    saved unquantized, the one to quantize into as the weights are restored."""
     folder = Path(ckpt_dir).absolute()
-    marker = json.loads((folder / MARKER).read_text())
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise ValueError(f"{folder / MARKER} is not a {FORMAT} v{VERSION} checkpoint: {marker}")
+    saved = saved_quantization(folder)
+    if saved is not None and (cfg.quantization is None
+                              or cfg.quantization.method != saved.method):
+        raise ValueError(f"quantization: this checkpoint is saved quantized ({saved.method}); "
+                         f"it cannot be restored as {cfg.quantization}")
     stored, repeats = sharded_config(cfg, mesh)
     shardings = param_shardings(stored, dtype, mesh)
-    _, logical = nnx.split(abstract_model(cfg, dtype))  # shapes as saved
-    target = {}
-    for path, var in nnx.to_flat_state(logical):
-        sh, axis = shardings[path], kv_axis(path)
-        if axis is not None and repeats > 1:  # read whole kv heads, repeat on device below
-            sh = sharding.named_sharding(var.get_metadata()["logical_axes"],
-                                         var.get_value().shape, mesh, replicate=("kv_heads",))
-        target[_key(path)] = jax.ShapeDtypeStruct(var.get_value().shape, dtype, sharding=sh)
+    dtypes = param_dtypes(stored, dtype)
+    _, logical = nnx.split(abstract_model(cfg, dtype))  # shapes as saved, kv not repeated
+
+    def restore_sharding(path: tuple, var) -> jax.sharding.NamedSharding:
+        if kv_axis(path) is not None and repeats > 1:  # whole kv heads, repeated below
+            return sharding.named_sharding(var.get_metadata()["logical_axes"],
+                                           var.get_value().shape, mesh,
+                                           replicate=("kv_heads",))
+        return shardings[path]
+
+    logical_vars = dict(nnx.to_flat_state(logical))
+    quantize_here = [path for path in logical_vars
+                     if saved is None and quantizes(cfg, path[-1])]
+    scale_paths = {path[:-1] + (path[-1] + SCALE_SUFFIX,) for path in quantize_here}
+    as_saved = {_key(path): jax.ShapeDtypeStruct(var.get_value().shape, dtypes[path],
+                                                 sharding=restore_sharding(path, var))
+                for path, var in logical_vars.items()
+                if path not in scale_paths and path not in quantize_here}
     import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        arrays = checkpointer.restore(folder / "params", target)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        def read(targets: dict) -> dict:
+            return checkpointer.restore(folder / "params", args=ocp.args.PyTreeRestore(
+                item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
+                partial_restore=True))
+
+        arrays = read(as_saved)
+        for path in quantize_here:
+            scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
+            var = logical_vars[path]
+            codes_sharding = restore_sharding(path, var)
+            weight = read({_key(path): jax.ShapeDtypeStruct(
+                var.get_value().shape, jnp.float32, sharding=codes_sharding)})[_key(path)]
+            to_codes = jax.jit(
+                lambda w, name=path[-1]: quantize(w, cfg.quantization.method,
+                                                  CONTRACTED_AXES[name], xp=jnp),
+                out_shardings=(codes_sharding,
+                               restore_sharding(scale_path, logical_vars[scale_path])))
+            arrays[_key(path)], arrays[_key(scale_path)] = to_codes(weight)
+            weight.delete()
     model = abstract_model(stored, dtype)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))

@@ -278,8 +278,8 @@ def _quantization_asked(cfg: ModelConfig, method: str | None,
     if cfg.quantization is not None:
         if method is not None and method != cfg.quantization.method:
             raise ValueError(f"quantization={method!r}: this checkpoint is already quantized "
-                             f"({cfg.quantization.method}, compressed-tensors); leave "
-                             "quantization unset or give the same method")
+                             f"({cfg.quantization.method}); leave quantization unset or give "
+                             "the same method")
         return dataclasses.replace(cfg, quantization=dataclasses.replace(
             cfg.quantization, activations=activations))
     if method is None:

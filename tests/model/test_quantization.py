@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.default_model import DEFAULT_MODEL_DIR
+from jaxserve.loading.checkpoint import convert, saved_quantization
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import WeightQuantization, load_config, with_quantization
@@ -169,19 +170,30 @@ def test_compressed_tensors_fp8_checkpoint(tmp_path, strategy):
 
 def test_engine_on_compressed_tensors_generates_transformers_tokens(tmp_path):
     """The serving engine (paged attention, tensor parallel 2) on an FP8 checkpoint greedily
-    generates what transformers generates from the dequantized weights."""
-    hf = _compressed_tensors_folder(tmp_path, "channel", seed=3)
-    llm = LLM(str(tmp_path), dtype="float32", progress=False, tensor_parallel_size=2,
-              **SMALL_ENGINE)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    for prompt, output in zip(PROMPTS, outputs):
+    generates what transformers generates from the dequantized weights; so does the orbax
+    checkpoint converted from it (saved as fp8 codes, restored at tensor parallel 4)."""
+    hf = _compressed_tensors_folder(tmp_path / "hf", "channel", seed=3)
+    references = []
+    for prompt in PROMPTS:
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                    do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-        assert output.outputs[0].token_ids == reference
+            references.append(hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ckpt = convert(tmp_path / "hf", tmp_path / "orbax", dtype="float32", progress=False)
+    assert saved_quantization(ckpt) == WeightQuantization("fp8", ("embed", "lm_head"))
+    restored = LLM(str(ckpt), dtype="float32", progress=False, tensor_parallel_size=4,
+                   **SMALL_ENGINE)
+    assert restored.model.layers[0].mlp.down_proj[...].dtype == FP8
+    outputs = restored.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == references
+    del restored
+    llm = LLM(str(tmp_path / "hf"), dtype="float32", progress=False, tensor_parallel_size=2,
+              **SMALL_ENGINE)
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == references
     metrics = PrometheusMetrics()
     metrics.attach(llm.engine, "fp8-model")
     text = metrics.render().decode()
