@@ -231,7 +231,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from jaxserve.loading.checkpoint import convert
 
-    convert(args.model, args.out, dtype=args.dtype, quantization=args.quantization)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each store it closes
+    out = convert(args.model, args.out, dtype=args.dtype, quantization=args.quantization)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
