@@ -11,7 +11,8 @@
     jaxserve bench structured [--model PATH]
     jaxserve bench models [--model PATH]
     jaxserve bench quality [--model PATH] [--text FILE]
-    jaxserve convert --model HF_DIR --out CKPT_DIR
+    jaxserve bench load [--model PATH] [--source-dtype float32] [--variants none int8 fp8]
+    jaxserve convert --model HF_DIR --out CKPT_DIR [--quantization int8|fp8]
     jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json]
                   [--buckets ends|largest|all] [--quantization int8|fp8] [--kv-cache-dtype ...]
     jaxserve plan --models models.toml
@@ -340,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (models_bench, offline_bench, quality_bench, serve_bench,
-                                startup_bench, structured_bench)
+    from jaxserve.bench import (load_bench, models_bench, offline_bench, quality_bench,
+                                serve_bench, startup_bench, structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
@@ -354,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "first answer, and its phases"),
         "quality": (quality_bench, "quantization's accuracy: perplexity, agreement with the "
                                    "unquantized model, and weight bytes per variant"),
+        "load": (load_bench, "peak host memory of loading weights, unquantized and quantized "
+                             "on load (int8, fp8), against the largest tensor"),
     }
     for kind, (module, help_text) in benches.items():
         bench_kind = bench_kinds.add_parser(kind, help=help_text)

@@ -30,13 +30,12 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
@@ -44,7 +43,7 @@ import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model import LlamaModel
 from jaxserve.model.quantization import (CONTRACTED_AXES, SCALE_SUFFIX, STORAGE_DTYPES,
-                                         quantize, quantizes)
+                                         quantize_on_host, quantizes)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # place(array, model_path) -> jax.Array: puts a converted host tensor on device(s).
@@ -126,30 +125,40 @@ def hf_tensor_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable | None, t
     return entries
 
 
-# safetensors dtype names of 8-bit floats → numpy (ml_dtypes) types
-_FLOAT8 = {"F8_E4M3": jnp.dtype(jnp.float8_e4m3fn), "F8_E5M2": jnp.dtype(jnp.float8_e5m2)}
+# safetensors dtype names → numpy (and ml_dtypes) types
+_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+           "F16": np.dtype(np.float16), "BF16": jnp.dtype(jnp.bfloat16),
+           "F8_E4M3": jnp.dtype(jnp.float8_e4m3fn), "F8_E5M2": jnp.dtype(jnp.float8_e5m2),
+           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+           "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
 
 
-def read_tensor(file: Path, reader, name: str) -> np.ndarray:
-    """Tensor `name` of an open safetensors `reader` as a host array.
+def mapped_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor of a safetensors file, in file order, each a read-only
+    view of the memory-mapped file: no copy is made until the tensor is converted.
 
-    safetensors' numpy (and flax) readers look float8 types up on numpy itself, which has none
-    (ml_dtypes defines them), so an fp8 tensor is read here from its byte range, which the
-    format's JSON header gives: `[8-byte header length][header][data]`."""
-    dtype = reader.get_slice(name).get_dtype()
-    if dtype not in _FLOAT8:
-        return reader.get_tensor(name)
+    Read from the format's own layout, `[8-byte header length][JSON header][data]`, not with
+    safetensors' numpy reader: that one copies every tensor out of the file (a second host
+    copy of the largest tensor while it loads) and cannot return float8 (it looks the type
+    up on numpy, which has none; ml_dtypes defines them)."""
     with open(file, "rb") as handle:
         header_length = int.from_bytes(handle.read(8), "little")
-        entry = json.loads(handle.read(header_length))[name]
-    begin, end = entry["data_offsets"]
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_length + begin,
-                     shape=(end - begin,))
-    return np.array(data).view(_FLOAT8[dtype]).reshape(entry["shape"])
+        header = json.loads(handle.read(header_length))
+    header.pop("__metadata__", None)
+    if not header:
+        return
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_length)
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name!r} in {file.name} has dtype {entry['dtype']}, "
+                             f"which jaxserve does not read; known: {sorted(_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        yield name, data[begin:end].view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _default_placer(dtypes: dict[tuple, np.dtype]) -> Placer:
-    return lambda array, path: jax.device_put(jnp.asarray(array, dtype=dtypes[path]))
+    # cast on the host: the device never holds a float32 copy of a bfloat16 weight
+    return lambda array, path: jax.device_put(np.asarray(array, dtype=dtypes[path]))
 
 
 def param_dtypes(cfg: ModelConfig, dtype) -> dict[tuple, np.dtype]:
@@ -314,35 +323,32 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
               disable=not progress) as bar:
         for file in files:
-            with safe_open(str(file), framework="numpy") as reader:
-                for name in reader.keys():
-                    if name in scales or (name.endswith(".input_scale") and scales):
-                        if name in scales:
-                            path, transform = scales[name]
-                            variables[path].set_value(place(transform(read_tensor(
-                                file, reader, name)), path))
-                            seen.add(name)
-                        continue
-                    if name not in expected:
-                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                            continue  # some exporters keep the tied copy; the embedding is used
-                        raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                    path, transform, hf_shape = expected[name]
-                    array = read_tensor(file, reader, name)
-                    if tuple(array.shape) != hf_shape:
-                        raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, "
-                                         f"expected {hf_shape} from config.json")
-                    if transform is not None:
-                        array = transform(array)
-                    if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
-                        array, scale = quantize(array, cfg.quantization.method,
-                                                CONTRACTED_AXES[path[-1]])
-                        scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
-                        variables[scale_path].set_value(place(scale, scale_path))
-                        seen.add(name + "_scale")
-                    variables[path].set_value(place(array, path))
-                    seen.add(name)
-                    bar.update(1)
+            for name, array in mapped_tensors(file):
+                if name in scales or (name.endswith(".input_scale") and scales):
+                    if name in scales:
+                        path, transform = scales[name]
+                        variables[path].set_value(place(transform(array), path))
+                        seen.add(name)
+                    continue
+                if name not in expected:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some exporters keep the tied copy; the embedding is used
+                    raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                path, transform, hf_shape = expected[name]
+                if tuple(array.shape) != hf_shape:
+                    raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, "
+                                     f"expected {hf_shape} from config.json")
+                if transform is not None:
+                    array = transform(array)
+                if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
+                    array, scale = quantize_on_host(array, cfg.quantization.method,
+                                                    CONTRACTED_AXES[path[-1]])
+                    scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
+                    variables[scale_path].set_value(place(scale, scale_path))
+                    seen.add(name + "_scale")
+                variables[path].set_value(place(array, path))
+                seen.add(name)
+                bar.update(1)
     missing = sorted(set(expected) - seen) + sorted(set(scales) - seen)
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])

@@ -65,6 +65,25 @@ def quantize(value, method: str, contracted: tuple[int, ...], xp: Any = np):
     return absmax.quantize(value, STORAGE_DTYPES[method], contracted, xp)
 
 
+def quantize_on_host(value: np.ndarray, method: str, contracted: tuple[int, ...],
+                     chunk_bytes: int = 16 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """`quantize(value, ...)` with numpy, a slab of output channels at a time: the same codes
+    and scales (each scale covers one output channel), but the float32 temporaries are one
+    slab of about `chunk_bytes`, not several copies of the whole tensor. What the loader
+    uses, so quantizing a weight as it loads costs little more host memory than its codes."""
+    axis = next(a for a in range(value.ndim) if a not in contracted)  # first output axis
+    count = value.shape[axis]
+    per_channel = 4 * value.size // max(1, count)  # float32 bytes of one slice along `axis`
+    step = max(1, chunk_bytes // max(1, per_channel))
+    codes = np.empty(value.shape, STORAGE_DTYPES[method])
+    scale = np.empty([size for a, size in enumerate(value.shape) if a not in contracted],
+                     np.float32)
+    for start in range(0, count, step):
+        rows = (slice(None),) * axis + (slice(start, start + step),)
+        codes[rows], scale[start:start + step] = quantize(value[rows], method, contracted)
+    return codes, scale
+
+
 def dequantize(codes, scale, contracted: tuple[int, ...]) -> np.ndarray:
     """The float32 weight that `codes` and `scale` stand for (host; tests and tools)."""
     return np.asarray(codes, np.float32) * np.expand_dims(np.asarray(scale, np.float32),

@@ -21,7 +21,7 @@ from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import WeightQuantization, load_config, with_quantization
 from jaxserve.model.dense_generation import DenseGenerator
-from jaxserve.model.quantization import project, quantize
+from jaxserve.model.quantization import project, quantize, quantize_on_host
 from jaxserve.server.prometheus import PrometheusMetrics
 from tiny_models import SMALL_ENGINE, build_model
 
@@ -51,6 +51,26 @@ def test_quantizer_follows_its_definition():
     jnp_codes, jnp_scale = quantize(jnp.asarray(w), "fp8", (0,), xp=jnp)  # the in-program copy
     np.testing.assert_array_equal(np.asarray(jnp_codes).astype(np.float32),
                                   codes.astype(np.float32))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("shape,contracted", [((48, 3, 8), (0,)),  # q_proj [E, Hq, D]
+                                              ((3, 8, 48), (0, 1)),  # o_proj [Hq, D, E]
+                                              ((40, 12), (1,))])  # embed [V, E]
+def test_host_quantizer_in_slabs_gives_the_definitions_codes(method, shape, contracted):
+    """The loader quantizes a slab of output channels at a time (slabs of 2 channels here,
+    the last one short); codes and scales equal the numpy definition's on the whole tensor."""
+    w = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    out_axis = next(a for a in range(len(shape)) if a not in contracted)
+    channel_bytes = 4 * w.size // shape[out_axis]
+    codes, scale = quantize_on_host(w, method, contracted, chunk_bytes=2 * channel_bytes)
+    largest = np.abs(w).max(axis=contracted)
+    want_scale = (largest / (127 if method == "int8" else 448)).astype(np.float32)
+    np.testing.assert_array_equal(scale, want_scale)
+    scaled = w / np.expand_dims(want_scale, contracted)
+    want = np.round(scaled).astype(np.int8) if method == "int8" else scaled.astype(FP8)
+    assert codes.dtype == want.dtype
+    np.testing.assert_array_equal(codes.astype(np.float32), want.astype(np.float32))
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
