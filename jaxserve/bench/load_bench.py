@@ -13,7 +13,8 @@ bfloat16) loads in a fresh Python process of its own, so the peaks do not mix. A
 importing jax and jaxserve and starting the runtime, the process records its baseline (and
 resets the kernel's high-water mark, `/proc/self/clear_refs`), then loads the folder as
 `LLM(..., quantization=...)` would (`load_weights` with `with_quantization(load_config(...),
-method)`), blocks until every parameter is ready, and reports:
+method)` onto a one-device mesh, each tensor placed shard by shard), blocks until every
+parameter is ready, and reports:
 - peak RSS: the kernel's high-water mark (`VmHWM` in `/proc/self/status`), or the largest
   RSS sampled if that is more (the kernel updates its mark when memory is unmapped and counts
   RSS per CPU in batches, so the mark can lag by a little). `getrusage`'s `ru_maxrss` is
@@ -170,16 +171,13 @@ def write_synthetic_model(folder: Path, hf_config: dict, seed: int = 0,
 def stored_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """HF tensor name → (safetensors dtype, shape, bytes on disk), read from the headers of
     the folder's safetensors files (no tensor is read)."""
-    from jaxserve.loading.weights import safetensors_files
+    from jaxserve.loading.weights import safetensors_files, safetensors_header
 
     tensors = {}
     for file in safetensors_files(model_dir):
-        with open(file, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                begin, end = entry["data_offsets"]
-                tensors[name] = (entry["dtype"], tuple(entry["shape"]), end - begin)
+        for name, entry in safetensors_header(file)[1].items():
+            begin, end = entry["data_offsets"]
+            tensors[name] = (entry["dtype"], tuple(entry["shape"]), end - begin)
     return tensors
 
 
@@ -241,6 +239,7 @@ def measure(model_dir: str, method: str | None, dtype: str = "bfloat16",
     import jax.numpy as jnp
     from flax import nnx
 
+    import sharding
     from jaxserve.loading.weights import load_weights
     from jaxserve.model.config import load_config, with_quantization
 
@@ -254,7 +253,8 @@ def measure(model_dir: str, method: str | None, dtype: str = "bfloat16",
     sampler = _Sampler(interval)
     sampler.start()
     started = time.perf_counter()
-    model = load_weights(model_dir, cfg, jnp.dtype(dtype), progress=progress)
+    mesh = sharding.make_mesh()  # one device: placed shard by shard, as `LLM` places it
+    model = load_weights(model_dir, cfg, jnp.dtype(dtype), progress=progress, mesh=mesh)
     values = [var.get_value() for _, var in nnx.to_flat_state(nnx.state(model))]
     jax.block_until_ready(values)
     seconds = time.perf_counter() - started

@@ -27,6 +27,7 @@ Quantized weights (`jaxserve.model.quantization`) take two routes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -79,6 +80,11 @@ def model_config(model_dir: str | Path) -> ModelConfig:
     saved quantized: the marker says so, not config.json)."""
     cfg = load_config(model_dir)
     if is_checkpoint(model_dir):
+        marker = _read_marker(Path(model_dir).absolute())
+        if "quantization" not in marker and cfg.quantization is not None:
+            raise ValueError(f"{model_dir}: this checkpoint was converted from a quantized "
+                             "folder by an older jaxserve, which did not record how its "
+                             "arrays are stored; run `jaxserve convert` on that folder again")
         cfg = dataclasses.replace(cfg, quantization=saved_quantization(model_dir))
     return cfg
 
@@ -132,55 +138,63 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
     """A `LlamaModel` restored from a `convert` checkpoint directly onto `mesh` (as
     `jaxserve.loading.weights.shard_model` would place it), float weights cast to `dtype`.
 
-    `cfg.quantization` is the checkpoint's own (`saved_quantization`) or, for a checkpoint
-    saved unquantized, the one to quantize into as the weights are restored."""
+    A checkpoint saved quantized restores its own scheme (`cfg.quantization` may add
+    quantized activations, or name the same method); one saved unquantized is quantized into
+    `cfg.quantization`, if any, as its weights are restored."""
     folder = Path(ckpt_dir).absolute()
-    saved = saved_quantization(folder)
-    if saved is not None and (cfg.quantization is None
-                              or cfg.quantization.method != saved.method):
-        raise ValueError(f"quantization: this checkpoint is saved quantized ({saved.method}); "
-                         f"it cannot be restored as {cfg.quantization}")
+    marker, saved = _read_marker(folder), saved_quantization(folder)
+    if saved is not None:
+        if cfg.quantization is not None and cfg.quantization.method != saved.method:
+            raise ValueError(f"quantization={cfg.quantization.method!r}: this checkpoint is "
+                             f"saved quantized ({saved.method})")
+        activations = cfg.quantization is not None and cfg.quantization.activations
+        cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(
+            saved, activations=activations))
     stored, repeats = sharded_config(cfg, mesh)
     shardings = param_shardings(stored, dtype, mesh)
     dtypes = param_dtypes(stored, dtype)
     _, logical = nnx.split(abstract_model(cfg, dtype))  # shapes as saved, kv not repeated
-
-    def restore_sharding(path: tuple, var) -> jax.sharding.NamedSharding:
-        if kv_axis(path) is not None and repeats > 1:  # whole kv heads, repeated below
-            return sharding.named_sharding(var.get_metadata()["logical_axes"],
-                                           var.get_value().shape, mesh,
-                                           replicate=("kv_heads",))
-        return shardings[path]
-
     logical_vars = dict(nnx.to_flat_state(logical))
-    quantize_here = [path for path in logical_vars
-                     if saved is None and quantizes(cfg, path[-1])]
-    scale_paths = {path[:-1] + (path[-1] + SCALE_SUFFIX,) for path in quantize_here}
-    as_saved = {_key(path): jax.ShapeDtypeStruct(var.get_value().shape, dtypes[path],
-                                                 sharding=restore_sharding(path, var))
-                for path, var in logical_vars.items()
+
+    def target(path: tuple, dtype) -> jax.ShapeDtypeStruct:
+        var = logical_vars[path]
+        sh = shardings[path]
+        if kv_axis(path) is not None and repeats > 1:  # whole kv heads, repeated below
+            sh = sharding.named_sharding(var.get_metadata()["logical_axes"],
+                                         var.get_value().shape, mesh, replicate=("kv_heads",))
+        return jax.ShapeDtypeStruct(var.get_value().shape, dtype, sharding=sh)
+
+    quantize_here = [path for path in logical_vars if saved is None and quantizes(cfg, path[-1])]
+    scale_paths = {_scale_path(path) for path in quantize_here}
+    as_saved = {_key(path): target(path, dtypes[path]) for path in logical_vars
                 if path not in scale_paths and path not in quantize_here}
     import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
 
     with ocp.PyTreeCheckpointer() as checkpointer:
+        on_disk = set(checkpointer.metadata(folder / "params").item_metadata.tree)
+        wanted = set(as_saved) | {_key(path) for path in quantize_here}
+        if on_disk != wanted:
+            raise ValueError(f"{folder}: the checkpoint's arrays are not this model's: missing "
+                             f"{sorted(wanted - on_disk)[:5]}, unexpected "
+                             f"{sorted(on_disk - wanted)[:5]}")
+
         def read(targets: dict) -> dict:
             return checkpointer.restore(folder / "params", args=ocp.args.PyTreeRestore(
                 item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
                 partial_restore=True))
 
         arrays = read(as_saved)
+        quantizers = {}  # one program per (weight kind, shardings)
         for path in quantize_here:
-            scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
-            var = logical_vars[path]
-            codes_sharding = restore_sharding(path, var)
-            weight = read({_key(path): jax.ShapeDtypeStruct(
-                var.get_value().shape, jnp.float32, sharding=codes_sharding)})[_key(path)]
-            to_codes = jax.jit(
-                lambda w, name=path[-1]: quantize(w, cfg.quantization.method,
-                                                  CONTRACTED_AXES[name], xp=jnp),
-                out_shardings=(codes_sharding,
-                               restore_sharding(scale_path, logical_vars[scale_path])))
-            arrays[_key(path)], arrays[_key(scale_path)] = to_codes(weight)
+            scale_path = _scale_path(path)
+            weight_target = target(path, jnp.dtype(marker["dtype"]))
+            kind = (path[-1], weight_target.sharding, target(scale_path, jnp.float32).sharding)
+            if kind not in quantizers:
+                quantizers[kind] = jax.jit(functools.partial(
+                    quantize, method=cfg.quantization.method,
+                    contracted=CONTRACTED_AXES[path[-1]], xp=jnp), out_shardings=kind[1:])
+            weight = read({_key(path): weight_target})[_key(path)]
+            arrays[_key(path)], arrays[_key(scale_path)] = quantizers[kind](weight)
             weight.delete()
     model = abstract_model(stored, dtype)
     graphdef, state = nnx.split(model)
@@ -191,3 +205,7 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
             value = sharding.repeat_kv_heads(value, repeats, axis, shardings[path])
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
+def _scale_path(path: tuple) -> tuple:
+    return path[:-1] + (path[-1] + SCALE_SUFFIX,)

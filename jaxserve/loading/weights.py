@@ -13,9 +13,12 @@ the model exists. `shard_model` applies the same rules to a model already on dev
 tensor_parallel_size exceeds the kv heads, both repeat k/v heads as
 `sharding.kv_head_repeats` describes, and the model's config reports the stored head count.
 
+Tensors are read as views of the memory-mapped files (`mapped_tensors`), not copied out.
+
 Quantized models (`cfg.quantization`): a float tensor of a quantized weight is quantized on
-the host as it is read (`jaxserve.model.quantization.quantize`, whole-tensor, so per-channel
-scales do not depend on the sharding) and placed as codes plus scale; a checkpoint that is
+the host as it is read (`jaxserve.model.quantization.quantize_on_host`, from the whole
+tensor, so per-channel scales do not depend on the sharding, in slabs of output channels, so
+the float32 temporaries stay small) and placed as codes plus scale; a checkpoint that is
 already quantized (compressed-tensors: int8/fp8 `*.weight` with `*.weight_scale`) is placed
 as it is, its scales reshaped to the kernel's output axes. Activation scales it carries
 (`*.input_scale`) are not used: activations are quantized per token when at all.
@@ -130,35 +133,59 @@ _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
            "F16": np.dtype(np.float16), "BF16": jnp.dtype(jnp.bfloat16),
            "F8_E4M3": jnp.dtype(jnp.float8_e4m3fn), "F8_E5M2": jnp.dtype(jnp.float8_e5m2),
            "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
-           "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+           "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+           "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+
+
+def safetensors_header(file: Path) -> tuple[int, dict]:
+    """(data offset, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file, whose
+    layout is `[8-byte little-endian header length][JSON header][data]`, checked against the
+    file's size (`ValueError` naming the file)."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 <= header_length <= size - 8:
+            raise ValueError(f"{file.name} is not a safetensors file (size {size} bytes)")
+        try:
+            header = json.loads(handle.read(header_length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{file.name}: safetensors header is not valid JSON: {err}") from None
+    header.pop("__metadata__", None)
+    return 8 + header_length, header
 
 
 def mapped_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor of a safetensors file, in file order, each a read-only
     view of the memory-mapped file: no copy is made until the tensor is converted.
 
-    Read from the format's own layout, `[8-byte header length][JSON header][data]`, not with
-    safetensors' numpy reader: that one copies every tensor out of the file (a second host
-    copy of the largest tensor while it loads) and cannot return float8 (it looks the type
-    up on numpy, which has none; ml_dtypes defines them)."""
-    with open(file, "rb") as handle:
-        header_length = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_length))
-    header.pop("__metadata__", None)
-    if not header:
-        return
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_length)
+    Read from the format's own header, not with safetensors' numpy reader: that one copies
+    every tensor out of the file (a second host copy of the largest tensor while it loads)
+    and cannot return float8 (it looks the type up on numpy, which has none; ml_dtypes
+    defines them)."""
+    offset, header = safetensors_header(file)
+    data_bytes = file.stat().st_size - offset
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=offset) if data_bytes else None
     for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"tensor {name!r} in {file.name} has dtype {entry['dtype']}, "
-                             f"which jaxserve does not read; known: {sorted(_DTYPES)}")
+        dtype, shape = _DTYPES.get(entry["dtype"]), tuple(entry["shape"])
+        if dtype is None:
+            raise ValueError(f"{file.name}: tensor {name!r} has dtype {entry['dtype']}, which "
+                             f"jaxserve does not read; known: {sorted(_DTYPES)}")
         begin, end = entry["data_offsets"]
-        yield name, data[begin:end].view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        if not 0 <= begin <= end <= data_bytes or end - begin != dtype.itemsize * int(
+                np.prod(shape)):
+            raise ValueError(f"{file.name}: tensor {name!r} ({entry['dtype']} {list(shape)}) "
+                             f"has data_offsets [{begin}, {end}] that do not fit it or the file")
+        if begin == end:
+            yield name, np.zeros(shape, dtype)
+            continue
+        yield name, data[begin:end].view(dtype).reshape(shape)
 
 
 def _default_placer(dtypes: dict[tuple, np.dtype]) -> Placer:
-    # cast on the host: the device never holds a float32 copy of a bfloat16 weight
-    return lambda array, path: jax.device_put(np.asarray(array, dtype=dtypes[path]))
+    # cast on the host (the device never holds a float32 copy of a bfloat16 weight), into a
+    # copy: on CPU, device_put may alias a numpy array, and this one is a view of the file
+    return lambda array, path: jax.device_put(np.array(array, dtype=dtypes[path], copy=True))
 
 
 def param_dtypes(cfg: ModelConfig, dtype) -> dict[tuple, np.dtype]:

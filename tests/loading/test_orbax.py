@@ -2,6 +2,7 @@
 same outputs as loading the safetensors; saved quantized, or quantized as they restore."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -45,11 +46,14 @@ def assert_codes_round_the_float_weights(llm, hf_model, layer=1):
     codes x scale within half a step (int8), or within e4m3's rounding (3 mantissa bits:
     1/16 relative, half the subnormal spacing 2^-9 absolute, in units of the scale)."""
     attn = llm.model.layers[layer].attn
-    for name in ("q_proj", "o_proj"):
-        codes = getattr(attn, name)[...]
-        step = np.expand_dims(np.asarray(getattr(attn, name + "_scale")[...], np.float32),
-                              CONTRACTED_AXES[name])
-        restored = np.asarray(codes, np.float32) * step
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        codes = np.asarray(getattr(attn, name)[...])
+        scale = np.asarray(getattr(attn, name + "_scale")[...], np.float32)
+        if name in ("k_proj", "v_proj"):  # [E, Hkv x repeats, D]: each head repeated in a row
+            repeats = codes.shape[1] // hf_model.config.num_key_value_heads
+            codes, scale = codes[:, ::repeats], scale[::repeats]
+        step = np.expand_dims(scale, CONTRACTED_AXES[name])
+        restored = codes.astype(np.float32) * step
         weight = getattr(hf_model.model.layers[layer].self_attn, name).weight
         weight = weight.detach().numpy().T.reshape(restored.shape)  # HF [out, in] → [in, out]
         if codes.dtype == jnp.int8:
@@ -107,6 +111,36 @@ def test_checkpoint_saved_quantized_restores_its_codes(folders, tmp_path):
     assert_same_outputs(got, want)
     with pytest.raises(ValueError, match="quantization='fp8'"):
         LLM(str(ckpt), progress=False, quantization="fp8", **ENGINE)
+
+
+def test_checkpoint_marked_by_an_older_jaxserve(folders, tmp_path):
+    """A marker without the `quantization` field (written before it existed) is a float
+    checkpoint, which quantizes as it restores (here at tp 2: no kv head repeated); one whose
+    config.json still says compressed-tensors is refused, as is a marker that names arrays
+    the checkpoint does not hold."""
+    hf, ckpt, hf_model = folders
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    marker = json.loads((old / MARKER).read_text())
+    del marker["quantization"]
+    (old / MARKER).write_text(json.dumps(marker))
+    _, want = run(hf, quantization="int8", tensor_parallel_size=2)
+    llm, got = run(old, quantization="int8", tensor_parallel_size=2)
+    assert llm.model.layers[0].attn.k_proj[...].shape[1] == 2
+    assert_codes_round_the_float_weights(llm, hf_model)
+    assert_same_outputs(got, want)
+
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}}))
+    with pytest.raises(ValueError, match="convert"):
+        LLM(str(old), progress=False, **ENGINE)
+    (old / "config.json").write_text(json.dumps(config))
+    (old / MARKER).write_text(json.dumps({**marker, "quantization": {"method": "int8"}}))
+    with pytest.raises(ValueError, match="missing.*embed_scale"):
+        LLM(str(old), progress=False, **ENGINE)
 
 
 def test_float_checkpoint_is_quantized_as_it_restores(folders):

@@ -55,15 +55,21 @@ def test_quantizer_follows_its_definition():
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("shape,contracted", [((48, 3, 8), (0,)),  # q_proj [E, Hq, D]
-                                              ((3, 8, 48), (0, 1)),  # o_proj [Hq, D, E]
-                                              ((40, 12), (1,))])  # embed [V, E]
-def test_host_quantizer_in_slabs_gives_the_definitions_codes(method, shape, contracted):
+                                              ((3, 8, 47), (0, 1)),  # o_proj [Hq, D, E]
+                                              ((41, 12), (1,))])  # embed [V, E]
+@pytest.mark.parametrize("source", ["float32", "bfloat16 transposed view"])
+def test_host_quantizer_in_slabs_gives_the_definitions_codes(method, shape, contracted, source):
     """The loader quantizes a slab of output channels at a time (slabs of 2 channels here,
-    the last one short); codes and scales equal the numpy definition's on the whole tensor."""
+    the last one short), from what it reads: a float32 array, or a bfloat16 file's view
+    transposed from HF's layout. Codes and scales equal the numpy definition's on the whole
+    tensor."""
     w = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    if source != "float32":
+        w = np.ascontiguousarray(w.T.astype(ml_dtypes.bfloat16)).T  # a non-contiguous view
     out_axis = next(a for a in range(len(shape)) if a not in contracted)
     channel_bytes = 4 * w.size // shape[out_axis]
     codes, scale = quantize_on_host(w, method, contracted, chunk_bytes=2 * channel_bytes)
+    w = w.astype(np.float32)
     largest = np.abs(w).max(axis=contracted)
     want_scale = (largest / (127 if method == "int8" else 448)).astype(np.float32)
     np.testing.assert_array_equal(scale, want_scale)
