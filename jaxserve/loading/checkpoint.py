@@ -20,8 +20,9 @@ Quantized weights (`jaxserve.model.quantization`) take two routes:
   marker records the scheme; config.json loses its `quantization_config`, which describes
   Hugging Face's tensor layout, not this one. The fast path for restarts.
 - **quantized on restore** (an unquantized checkpoint loaded with `quantization=`): each
-  weight to quantize is restored alone in float32 with its target sharding, quantized on the
-  devices and freed, so the devices hold the quantized model plus one float weight at most.
+  weight to quantize is restored alone, in its saved dtype and with its target sharding,
+  quantized on the devices and freed, so the devices hold the quantized model plus one float
+  weight at most.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import sharding
 from jaxserve.model.config import (ModelConfig, WeightQuantization, load_config, resolve_dtype,
                                    with_quantization)
 from jaxserve.model import LlamaModel
-from jaxserve.model.quantization import CONTRACTED_AXES, SCALE_SUFFIX, quantize, quantizes
+from jaxserve.model.quantization import CONTRACTED_AXES, quantize, quantizes, scale_path
 from jaxserve.loading.weights import (abstract_model, kv_axis, load_weights, param_dtypes,
                                       param_shardings, sharded_config)
 
@@ -70,7 +71,11 @@ def _read_marker(folder: Path) -> dict:
 
 def saved_quantization(folder: str | Path) -> WeightQuantization | None:
     """The weight quantization a checkpoint's arrays were saved in (None: float weights)."""
-    saved = _read_marker(Path(folder).absolute()).get("quantization")
+    return _marked_quantization(_read_marker(Path(folder).absolute()))
+
+
+def _marked_quantization(marker: dict) -> WeightQuantization | None:
+    saved = marker.get("quantization")
     return None if saved is None else WeightQuantization(saved["method"],
                                                          tuple(saved.get("skip", ())))
 
@@ -85,7 +90,7 @@ def model_config(model_dir: str | Path) -> ModelConfig:
             raise ValueError(f"{model_dir}: this checkpoint was converted from a quantized "
                              "folder by an older jaxserve, which did not record how its "
                              "arrays are stored; run `jaxserve convert` on that folder again")
-        cfg = dataclasses.replace(cfg, quantization=saved_quantization(model_dir))
+        cfg = dataclasses.replace(cfg, quantization=_marked_quantization(marker))
     return cfg
 
 
@@ -142,7 +147,8 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
     quantized activations, or name the same method); one saved unquantized is quantized into
     `cfg.quantization`, if any, as its weights are restored."""
     folder = Path(ckpt_dir).absolute()
-    marker, saved = _read_marker(folder), saved_quantization(folder)
+    marker = _read_marker(folder)
+    saved = _marked_quantization(marker)
     if saved is not None:
         if cfg.quantization is not None and cfg.quantization.method != saved.method:
             raise ValueError(f"quantization={cfg.quantization.method!r}: this checkpoint is "
@@ -165,7 +171,7 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
         return jax.ShapeDtypeStruct(var.get_value().shape, dtype, sharding=sh)
 
     quantize_here = [path for path in logical_vars if saved is None and quantizes(cfg, path[-1])]
-    scale_paths = {_scale_path(path) for path in quantize_here}
+    scale_paths = {scale_path(path) for path in quantize_here}
     as_saved = {_key(path): target(path, dtypes[path]) for path in logical_vars
                 if path not in scale_paths and path not in quantize_here}
     import orbax.checkpoint as ocp  # here: importing orbax costs every start ~0.3 s
@@ -186,15 +192,15 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
         arrays = read(as_saved)
         quantizers = {}  # one program per (weight kind, shardings)
         for path in quantize_here:
-            scale_path = _scale_path(path)
+            scale_at = scale_path(path)
             weight_target = target(path, jnp.dtype(marker["dtype"]))
-            kind = (path[-1], weight_target.sharding, target(scale_path, jnp.float32).sharding)
+            kind = (path[-1], weight_target.sharding, target(scale_at, jnp.float32).sharding)
             if kind not in quantizers:
                 quantizers[kind] = jax.jit(functools.partial(
                     quantize, method=cfg.quantization.method,
                     contracted=CONTRACTED_AXES[path[-1]], xp=jnp), out_shardings=kind[1:])
             weight = read({_key(path): weight_target})[_key(path)]
-            arrays[_key(path)], arrays[_key(scale_path)] = quantizers[kind](weight)
+            arrays[_key(path)], arrays[_key(scale_at)] = quantizers[kind](weight)
             weight.delete()
     model = abstract_model(stored, dtype)
     graphdef, state = nnx.split(model)
@@ -205,7 +211,3 @@ def restore(ckpt_dir: str | Path, cfg: ModelConfig, dtype, mesh: Mesh) -> LlamaM
             value = sharding.repeat_kv_heads(value, repeats, axis, shardings[path])
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
-
-
-def _scale_path(path: tuple) -> tuple:
-    return path[:-1] + (path[-1] + SCALE_SUFFIX,)

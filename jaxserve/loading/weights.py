@@ -45,8 +45,8 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model import LlamaModel
-from jaxserve.model.quantization import (CONTRACTED_AXES, SCALE_SUFFIX, STORAGE_DTYPES,
-                                         quantize_on_host, quantizes)
+from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, quantize_on_host,
+                                         quantizes, scale_path)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # place(array, model_path) -> jax.Array: puts a converted host tensor on device(s).
@@ -370,8 +370,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                 if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
                     array, scale = quantize_on_host(array, cfg.quantization.method,
                                                     CONTRACTED_AXES[path[-1]])
-                    scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
-                    variables[scale_path].set_value(place(scale, scale_path))
+                    variables[scale_path(path)].set_value(place(scale, scale_path(path)))
                     seen.add(name + "_scale")
                 variables[path].set_value(place(array, path))
                 seen.add(name)
@@ -395,8 +394,7 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
     for name, (path, _, _) in expected.items():
         if not quantizes(cfg, path[-1]):
             continue
-        scale_path = path[:-1] + (path[-1] + SCALE_SUFFIX,)
-        model_shape = shapes[scale_path]
+        model_shape = shapes[scale_path(path)]
         out_channels = int(np.prod(model_shape))
 
         def to_model(scale, name=name, model_shape=model_shape, out_channels=out_channels):
@@ -406,5 +404,5 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
                                  f"1 (per tensor) or {out_channels} (per output channel)")
             return np.broadcast_to(flat, (out_channels,)).reshape(model_shape)
 
-        entries[name + "_scale"] = (scale_path, to_model)
+        entries[name + "_scale"] = (scale_path(path), to_model)
     return entries

@@ -52,6 +52,11 @@ def quantizes(cfg: ModelConfig, name: str) -> bool:
             and cfg.quantization.covers(name))
 
 
+def scale_path(path: tuple) -> tuple:
+    """The model path of the scale of the weight at `path` (`<name>_scale` beside it)."""
+    return path[:-1] + (path[-1] + SCALE_SUFFIX,)
+
+
 def scale_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of weight `name`'s scale: its shape without the contracted axes."""
     contracted = CONTRACTED_AXES[name]
