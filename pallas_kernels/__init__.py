@@ -7,9 +7,10 @@ Public API:
   write_kv(k_pages, v_pages, k_new, v_new, slot_mapping)                 cache update
   reference                                                              pure-jnp oracles
 
-KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim], in q's
-dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
-[num_pages, page_size, num_kv_heads] float32. Every kernel reads the stored bytes and
+KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads * head_dim] (a
+token's kv heads packed along the last axis, lane-dense on TPU: `kv_quant.page_shape`), in
+q's dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
+[num_pages, num_kv_heads * page_size] float32. head_dim is q's. Every kernel reads the stored bytes and
 dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as the reference).
 
 Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
@@ -114,7 +115,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
                     k_scales=None, v_scales=None):
     """Decode attention: one query token per sequence, at position kv_lens[b] - 1.
 
-    q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv, D] in q's dtype, int8 or
+    q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv * D] in q's dtype, int8 or
     float8_e4m3fn; k_scales, v_scales [N, Hkv * page_size] float32 for int8 pages only;
     kv_lens int32[B]; page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32
     softmax).

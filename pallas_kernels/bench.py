@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels import kv_quant
 
 
 def parse_args(argv=None):
@@ -61,9 +62,9 @@ def main(argv=None):
     pages_per_seq = -(-a.context // a.page_size)
     num_pages = a.batch * pages_per_seq + 1  # page 0: padding page
     key = jax.random.split(jax.random.key(0), 4)
-    cache_shape = (num_pages, a.page_size, a.kv_heads, a.head_dim)
-    k_pages = jax.random.normal(key[0], cache_shape, dtype)  # [N, page_size, Hkv, D]
-    v_pages = jax.random.normal(key[1], cache_shape, dtype)  # [N, page_size, Hkv, D]
+    cache_shape = kv_quant.page_shape(num_pages, a.page_size, a.kv_heads, a.head_dim)
+    k_pages = jax.random.normal(key[0], cache_shape, dtype)  # [N, page_size, Hkv * D]
+    v_pages = jax.random.normal(key[1], cache_shape, dtype)  # [N, page_size, Hkv * D]
     page_indices = (1 + jnp.arange(a.batch * pages_per_seq, dtype=jnp.int32)).reshape(
         a.batch, pages_per_seq)  # [B, P]
     kv_lens = jnp.full((a.batch,), a.context, jnp.int32)  # [B]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels import reference
+from pallas_kernels import kv_quant, reference
 from pallas_kernels.bench import time_call
 
 # Peak HBM bandwidth, GB/s, by a substring of jax's device_kind (vendors' data sheets).
@@ -82,8 +82,8 @@ def check_correctness(results: Results, interpret: bool, quick: bool):
         pages_per_seq, batch = 8, 6
         kv_lens = np.array([0, 1, ps, 2 * ps + 1, pages_per_seq * ps, 5], np.int32)
         num_pages = batch * pages_per_seq + 1
-        k, v = (jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), dtype)
-                for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal(kv_quant.page_shape(num_pages, ps, hkv, d)),
+                            dtype) for _ in range(2))  # [N, ps, Hkv * D]
         table = poisoned_table(rng, kv_lens, pages_per_seq, ps, num_pages)
         clean = np.maximum(table, 0)
         opts = dict(soft_cap=soft_cap, sliding_window=window)
@@ -119,8 +119,9 @@ def anchor_fn(platform, hkv, interpret):
     if platform == "gpu":
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa
 
-        def prepare(k, v):  # [N, ps, Hkv, D] -> [Hkv, N, ps, D]
-            return k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+        def prepare(k, v):  # [N, ps, Hkv * D] -> [Hkv, N, ps, D]
+            return tuple(kv_quant.page_heads(x, HEAD_DIM).transpose(2, 0, 1, 3)
+                         for x in (k, v))
 
         def run(q, cache, kv_lens, table):
             return gpu_pa.paged_attention(q, *cache, table, kv_lens, interpret=interpret)
@@ -129,6 +130,7 @@ def anchor_fn(platform, hkv, interpret):
         from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
         def prepare(k, v):  # K and V of each head interleaved: [N, ps, 2 * Hkv, D]
+            k, v = (kv_quant.page_heads(x, HEAD_DIM) for x in (k, v))  # [N, ps, Hkv, D]
             n, ps, h, d = k.shape
             return jnp.stack([k, v], axis=3).reshape(n, ps, 2 * h, d)
 
@@ -170,8 +172,8 @@ def measure(batch, context, hkv, hq, pages_per_seq, key, platform, peak, interpr
     pages_used = -(-context // PAGE_SIZE)
     num_pages = batch * pages_used + 1
     k_key, v_key, q_key = jax.random.split(key, 3)
-    shape = (num_pages, PAGE_SIZE, hkv, HEAD_DIM)
-    k = jax.random.normal(k_key, shape, jnp.bfloat16)  # [N, ps, Hkv, D]
+    shape = kv_quant.page_shape(num_pages, PAGE_SIZE, hkv, HEAD_DIM)
+    k = jax.random.normal(k_key, shape, jnp.bfloat16)  # [N, ps, Hkv * D]
     v = jax.random.normal(v_key, shape, jnp.bfloat16)
     q = jax.random.normal(q_key, (batch, hq, HEAD_DIM), jnp.bfloat16)  # [B, Hq, D]
     table = np.zeros((batch, pages_per_seq), np.int32)  # page 0 past each sequence

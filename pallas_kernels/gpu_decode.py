@@ -124,7 +124,7 @@ def combine(acc, m, l):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret"))
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False):
-    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D] (q's
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
     dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
@@ -170,8 +170,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention_triton",
-    )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages),
-      gpu_dequant.as_loaded(v_pages), *scales)
+    )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim),
+      gpu_dequant.as_loaded(v_pages, head_dim), *scales)
     if splits > 1:
         out = combine(*out).astype(q.dtype)  # [B, Hkv, G', D]
     return out[:, :, :group]  # [B, Hkv, G, D]

@@ -149,7 +149,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               block_keys=None, num_warps=None, num_stages=2, interpret=False):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
+    [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
     float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
@@ -161,7 +161,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     Returns [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_pages, page_size = k_pages.shape[:2]
+    num_kv_heads = k_pages.shape[2] // head_dim
     group = num_q_heads // num_kv_heads
     q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
     if block_keys is None:  # sized by q's dtype: quantized tiles are widened to it for the dots
@@ -196,7 +197,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         interpret=interpret,
         name="prefill_attention_triton",
     )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, page_indices, q_tiles,
-      *(gpu_dequant.as_loaded(x).reshape(num_pages * page_size, num_kv_heads, head_dim)
+      *(gpu_dequant.as_loaded(x, head_dim).reshape(num_pages * page_size, num_kv_heads,
+                                                    head_dim)
         for x in (k_pages, v_pages)), *scales)  # [tiles, Hkv, R', D]
     out = out[:, :, :rows].reshape(num_tiles, num_kv_heads, q_block, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles * q_block, num_q_heads, head_dim)

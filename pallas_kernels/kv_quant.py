@@ -1,7 +1,18 @@
 """Quantized KV pages: what the kernels read, and how new tokens are written into them.
 
+Pages are `[N, page_size, Hkv * D]` (`page_shape`): token p of page n holds its kv heads one
+after the other along the last axis, head h at `[h * D, (h + 1) * D)`. Why heads packed into
+one axis: XLA:TPU tiles an array's last two dims by (8, 128) (bf16: (16, 128)), and lays a
+`[N, page_size, Hkv, D]` pool out to avoid padding those tiles: pages-minor for head_dim 64
+(every kernel call then copied the whole cache into the kernel's row-major layout), heads
+and tokens swapped for int8 with 2 kv heads. A row of `Hkv * D` values that is a multiple of
+128 is laid out row-major for every dtype, so the kernels read it in place and a head is a
+static lane slice; CPU and GPU arrays are row-major either way, and their readers view a
+pool as `[N, page_size, Hkv, D]` for free (`page_heads`). Left over: one head of 64 per
+device (a row of 64) is still laid out pages-minor on TPU (`jaxserve plan` shows the copy).
+
 A layer's cache is a tuple:
-- `(k_pages, v_pages)`, each `[N, page_size, Hkv, D]`, in the compute dtype ("auto");
+- `(k_pages, v_pages)`, each `[N, page_size, Hkv * D]`, in the compute dtype ("auto");
 - `(k_pages, v_pages, k_scale, v_scale)` for "fp8": float8_e4m3fn pages and one float32
   scale per kv head, `[Hkv]` (`[num_layers, Hkv]` for stacked layers): pages hold
   `x / scale` clipped to ±448. The scales are 1 (vLLM's default for an uncalibrated fp8
@@ -11,9 +22,8 @@ A layer's cache is a tuple:
 - `(k_pages, v_pages, k_scales, v_scales)` for "int8": int8 pages and float32 scales, one
   per token and kv head (absmax over D / 127), in a pool beside the pages: `[N, Hkv *
   page_size]`, row n holding page n's scales head by head (token p of head h at
-  `h * page_size + p`). Why this layout: XLA:TPU tiles an array's last two dims by (8, 128),
-  so a `[N, page_size, Hkv]` pool would pad Hkv to 128 lanes or be laid out pages-minor and
-  copied on every kernel call; a row of `Hkv * page_size` floats is (nearly) dense, one
+  `h * page_size + p`). Why this layout: a `[N, page_size, Hkv]` pool would pad Hkv to 128
+  lanes or be laid out pages-minor and copied on every kernel call (as above); a row of `Hkv * page_size` floats is (nearly) dense, one
   page's scales are one contiguous copy, head h's are a static lane slice, and splitting the
   row's heads over devices (tensor parallel) splits it in whole blocks.
 
@@ -42,6 +52,18 @@ def page_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
                          f"{kv_cache_dtype!r}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or jnp.dtype(compute_dtype)
+
+
+def page_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+    """A page pool's shape: `[N, page_size, Hkv * D]`, kv heads packed along the last axis."""
+    return num_pages, page_size, num_kv_heads * head_dim
+
+
+def page_heads(pages, head_dim: int):
+    """Pages `[..., page_size, Hkv * D]` viewed as `[..., page_size, Hkv, D]`: a free reshape
+    of a row-major array (CPU, GPU); on TPU a relayout of the pool, which the TPU kernels avoid
+    by slicing heads out of the rows they copy."""
+    return pages.reshape(*pages.shape[:-1], pages.shape[-1] // head_dim, head_dim)
 
 
 def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple:
@@ -115,9 +137,10 @@ def dequantize(codes, scales=None, dtype=jnp.float32):
     return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def dequantize_pages(pages, scales=None, dtype=jnp.float32):
-    """A whole pool's values as `dtype`: pages `[N, page_size, Hkv, D]` with their scale pool
-    `[N, Hkv * page_size]` (None: unscaled)."""
+def dequantize_pages(pages, head_dim: int, scales=None, dtype=jnp.float32):
+    """A whole pool's values as `dtype`, `[N, page_size, Hkv, D]`: pages `[N, page_size,
+    Hkv * D]` with their scale pool `[N, Hkv * page_size]` (None: unscaled)."""
+    pages = page_heads(pages, head_dim)
     if scales is None:
         return dequantize(pages, None, dtype)
     return dequantize(pages, scales_by_token(scales, pages.shape[1]), dtype)
@@ -145,7 +168,8 @@ def write(layer_cache: tuple, k_new, v_new, slot_mapping) -> tuple:
     if len(layer_cache) == 2:
         return k_pages, v_pages
     k_scales, v_scales = layer_cache[2:]
-    num_pages, page_size, num_kv_heads = k_pages.shape[:3]
+    num_pages, page_size = k_pages.shape[:2]
+    num_kv_heads = k_new.shape[1]
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)[:, None]  # [T, 1]
     column = (jnp.arange(num_kv_heads) * page_size
               + (slot_mapping % page_size)[:, None])  # [T, Hkv]

@@ -4,8 +4,9 @@ Same signatures and semantics as the public kernels (minus backend selection).
 They gather each sequence's pages into a contiguous K/V, build the causal /
 sliding-window / length mask explicitly and take a float32 softmax, trading
 memory (O(tokens x context)) for obviousness. Rows that attend to no key
-(kv_len 0, padding tokens, padding sequences) come out as zeros. Quantized pages
-(`kv_quant`) are dequantized whole, to q's dtype, before anything else: the kernels
+(kv_len 0, padding tokens, padding sequences) come out as zeros. Pages `[N, page_size,
+Hkv * D]` are viewed as `[N, page_size, Hkv, D]` and quantized ones (`kv_quant`) are
+dequantized whole, to q's dtype, before anything else: the kernels
 dequantize each tile they load with the same rounding.
 """
 
@@ -53,9 +54,11 @@ def _gather_seq(pages, page_indices):
 
 
 def _dequantize(q, k_pages, v_pages, k_scales, v_scales):
-    """The page pools as q.dtype values (`kv_quant.dequantize`); pages in q's dtype as is."""
-    return (kv_quant.dequantize_pages(k_pages, k_scales, q.dtype),
-            kv_quant.dequantize_pages(v_pages, v_scales, q.dtype))
+    """The page pools `[N, page_size, Hkv * D]` as q.dtype values `[N, page_size, Hkv, D]`
+    (`kv_quant.dequantize_pages`); pages in q's dtype as they are."""
+    head_dim = q.shape[-1]
+    return (kv_quant.dequantize_pages(k_pages, head_dim, k_scales, q.dtype),
+            kv_quant.dequantize_pages(v_pages, head_dim, v_scales, q.dtype))
 
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
@@ -104,17 +107,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Reference KV write: token t goes to flat slot slot_mapping[t]; slots < 0 are skipped.
 
-    k_pages, v_pages [N, page_size, Hkv, D]; k_new, v_new [T, Hkv, D];
+    k_pages, v_pages [N, page_size, Hkv * D]; k_new, v_new [T, Hkv, D];
     slot_mapping int32[T]. Returns the updated (k_pages, v_pages).
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    k_flat = jnp.asarray(k_pages).reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
-    v_flat = jnp.asarray(v_pages).reshape(num_pages * page_size, num_kv_heads, head_dim)  # [N*page_size, Hkv, D]
+    num_pages, page_size, row = k_pages.shape
+    k_flat = jnp.asarray(k_pages).reshape(num_pages * page_size, row)  # [N*page_size, Hkv*D]
+    v_flat = jnp.asarray(v_pages).reshape(num_pages * page_size, row)  # [N*page_size, Hkv*D]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         keep = slot >= 0
         idx = jnp.maximum(slot, 0)
-        k_flat = k_flat.at[idx].set(jnp.where(keep, k_new[t].astype(k_flat.dtype), k_flat[idx]))
-        v_flat = v_flat.at[idx].set(jnp.where(keep, v_new[t].astype(v_flat.dtype), v_flat[idx]))
+        k_row, v_row = k_new[t].reshape(row), v_new[t].reshape(row)  # [Hkv * D]
+        k_flat = k_flat.at[idx].set(jnp.where(keep, k_row.astype(k_flat.dtype), k_flat[idx]))
+        v_flat = v_flat.at[idx].set(jnp.where(keep, v_row.astype(v_flat.dtype), v_flat[idx]))
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
-

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from pallas_kernels.reference import MASK_VALUE
 
 
-def _tile(buf, scale_buf, slot, h, dtype):
-    """Head h's keys of block `slot` of buf [2, pages_per_block, page_size, (Hkv,) D] as
-    [KB, D] in dtype, int8 codes times their scales from scale_buf [2, pages_per_block,
-    Hkv * page_size] float32 (None: no scales, a plain cast)."""
+def _tile(buf, scale_buf, slot, h, head_dim, dtype):
+    """Head h's keys of block `slot` of buf [2, pages_per_block, page_size, Hkv * D] (its
+    lanes [h * D, (h + 1) * D)) as [KB, D] in dtype, int8 codes times their scales from
+    scale_buf [2, pages_per_block, Hkv * page_size] float32 (None: no scales, a plain cast)."""
     pages_per_block, page_size = buf.shape[1:3]
-    tile = buf[slot] if len(buf.shape) == 4 else buf[slot, :, :, h, :]  # [ppb, ps, D]
+    tile = buf[slot, :, :, h * head_dim:(h + 1) * head_dim]  # [ppb, ps, D]
     if scale_buf is None:
         return tile.reshape(pages_per_block * page_size, -1).astype(dtype)  # [KB, D]
     columns = scale_buf[slot, :, h * page_size:(h + 1) * page_size].T  # [ps, ppb]
@@ -33,15 +33,15 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
                  sm_scale, soft_cap, k_scale_buf=None, v_scale_buf=None):
     """Folds K/V block `slot` into the running softmax of every kv head.
 
-    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, (Hkv,) D] (no head axis:
-    one kv head) in q's dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf
+    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, Hkv * D] in q's dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf
     [2, pages_per_block, Hkv * page_size] float32 for int8 pages; mask [R or 1, KB] the keys
     each row sees; key_valid [KB, 1] keys in range (V rows outside it are zeroed: stale VMEM
     may hold anything); m_ref, l_ref [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
     """
-    for h in range(q_ref.shape[0]):
-        k = _tile(k_buf, k_scale_buf, slot, h, q_ref.dtype)  # [KB, D]
-        v = _tile(v_buf, v_scale_buf, slot, h, q_ref.dtype)  # [KB, D]
+    num_kv_heads, _, head_dim = q_ref.shape
+    for h in range(num_kv_heads):
+        k = _tile(k_buf, k_scale_buf, slot, h, head_dim, q_ref.dtype)  # [KB, D]
+        v = _tile(v_buf, v_scale_buf, slot, h, head_dim, q_ref.dtype)  # [KB, D]
         v = jnp.where(key_valid, v, jnp.zeros_like(v))
         scores = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale  # [R, KB]

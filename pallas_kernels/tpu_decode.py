@@ -36,15 +36,17 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   across grid steps, page counts clipped to the valid tokens, float32 online softmax;
 - departs: decode only (RPA v3 is one kernel for decode, prefill and mixed batches, with a
   per-step distribution of the three); the grid is one step per sequence rather than a
-  single sequential loop, so megacore splits the batch; the cache keeps jaxserve's
-  `[N, page_size, Hkv, D]` layout instead of RPA v3's fused K/V pages with heads packed
-  along sublanes. With one kv head per device the pages are read as `[N, page_size, D]` (the
-  same bytes; XLA:TPU keeps the unit axis major), which is dense in bf16. Measured in full
-  compiles (tests/kernels/test_pallas_compile.py): head_dim 128 with 1 or 8 kv heads needs
-  no copy of the cache. Left to the cache-layout work: with 2-4 kv heads the VMEM block's
-  `(Hkv, D)` tile is sublane-padded and each head is a strided load (RPA v3's fused, packed
-  pages avoid both), and head_dim 64 (or float32 head_dim 256) makes XLA copy the whole
-  cache into the kernel's layout on every call.
+  single sequential loop, so megacore splits the batch; K and V stay separate pools, each
+  `[N, page_size, Hkv * D]` with a token's heads packed along lanes (`kv_quant`), where
+  RPA v3 fuses K and V of a page and packs heads along sublanes. Either way a page row is
+  lane-dense: a copied block is `[pages_per_block, page_size, Hkv * D]`, one (8, 128)-tiled
+  slab per page, and head h is the static lane slice `[h * D, (h + 1) * D)`; no sublane
+  padding of a `(Hkv, D)` tile, no strided head loads. Measured in full compiles
+  (tests/kernels/test_pallas_compile.py): head_dim 64 with 2 or more kv heads and head_dim
+  128 with any count need no copy of the cache (the former `[N, page_size, Hkv, D]` pools
+  were laid out pages-minor for head_dim 64 and copied whole on every call). Not covered:
+  one kv head of 64 per device (a 64-value row, still laid out pages-minor; RPA v3's fused
+  K/V would make it 128), which a 1B model meets only with 8-way tensor parallelism.
 """
 
 import functools
@@ -66,7 +68,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and the pools k_hbm, v_hbm
-    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
+    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
     # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
@@ -183,7 +185,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
               interpret=False):
-    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv, D] (q's
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
     dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
@@ -193,18 +195,12 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     a `pltpu.InterpretParams`.
     """
     batch, num_kv_heads, group, head_dim = q.shape
-    num_pages, page_size = k_pages.shape[:2]
+    page_size = k_pages.shape[1]
     pages_per_seq = page_indices.shape[1]
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
                                                      k_pages.dtype.itemsize, pages_per_seq,
                                                      KV_BUFFER_BYTES, k_scales is not None)
-    # One kv head per device: `[N, page_size, 1, D]` is laid out with the unit axis major on
-    # TPU, so `[N, page_size, D]` is the same bytes (a bitcast, no relayout of the cache).
-    squeezed = num_kv_heads == 1
-    if squeezed:
-        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
-        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
     steps = pl.cdiv(batch, NUM_CORES)
     pad = steps * NUM_CORES - batch  # padding sequences: no keys, no pages
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))  # [B', Hkv, G, D]

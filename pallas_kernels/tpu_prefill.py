@@ -51,7 +51,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # row_ref, row_sem, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and the pools k_hbm, v_hbm
-    # [N, page_size, (Hkv,) D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
+    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA; m_ref, l_ref
     # [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
@@ -128,7 +128,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               pages_per_block=None, interpret=False):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv, D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
+    [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
     float32, or float8_e4m3fn).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
@@ -137,7 +137,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     no chunk come out as zeros. Returns [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    page_size = k_pages.shape[1]
+    num_kv_heads = k_pages.shape[2] // head_dim
     group = num_q_heads // num_kv_heads
     pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK
@@ -152,9 +153,6 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
         num_kv_heads, padded * group, head_dim)  # [Hkv, T' * G, D]
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
-    if num_kv_heads == 1:  # the same bytes (see tpu_decode)
-        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
-        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda t, *_: (0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # K, V, then (int8) their scale pools [N, Hkv * page_size].

@@ -57,17 +57,18 @@ def check_options(sm_scale, soft_cap, sliding_window):
 
 def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scales=None,
                 v_scales=None) -> Dims:
-    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv, D], page_indices [S, P], and
-    the scales of int8 pages (`check_scales`).
+    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv * D] (`kv_quant.page_shape`:
+    head_dim is q's, Hkv follows from the pages' rows), page_indices [S, P], and the scales
+    of int8 pages (`check_scales`).
 
     kernel_limits=False skips the head_dim / page_size limits of the Pallas kernels (the
     jnp references take any size).
     """
     if q.ndim != 3:
         raise ValueError(f"q must have 3 dimensions, got shape {q.shape}")
-    if k_pages.ndim != 4:
+    if k_pages.ndim != 3:
         raise ValueError(
-            "k_pages must be [num_pages, page_size, num_kv_heads, head_dim], "
+            "k_pages must be [num_pages, page_size, num_kv_heads * head_dim], "
             f"got shape {k_pages.shape}"
         )
     if v_pages.shape != k_pages.shape:
@@ -80,11 +81,14 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
                              "int8 or float8_e4m3fn")
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages dtype {v_pages.dtype} != k_pages dtype {k_pages.dtype}")
-    check_scales(k_pages, k_scales, v_scales)
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    num_q_heads = q.shape[1]
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim ({q.shape[2]}) != k_pages head_dim ({head_dim})")
+    num_pages, page_size, row = k_pages.shape
+    num_q_heads, head_dim = q.shape[1:]
+    if row % head_dim:
+        raise ValueError(f"k_pages rows hold {row} values, not a whole number of q's heads of "
+                         f"head_dim {head_dim} (pages are [N, page_size, num_kv_heads * "
+                         "head_dim])")
+    num_kv_heads = row // head_dim
+    check_scales(k_pages, k_scales, v_scales, num_kv_heads)
     if kernel_limits and head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if kernel_limits and page_size not in SUPPORTED_PAGE_SIZES:
@@ -99,7 +103,7 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
 
 
-def check_scales(k_pages, k_scales, v_scales):
+def check_scales(k_pages, k_scales, v_scales, num_kv_heads):
     """int8 pages need both scale pools, float32 [N, Hkv * page_size] (`kv_quant`); pages of
     any other dtype take none (a scale given for them would be silently ignored)."""
     given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales))
@@ -112,7 +116,7 @@ def check_scales(k_pages, k_scales, v_scales):
     if len(given) < 2:
         raise ValueError("int8 pages need k_scales and v_scales (float32 "
                          "[num_pages, num_kv_heads * page_size])")
-    num_pages, page_size, num_kv_heads = k_pages.shape[:3]
+    num_pages, page_size = k_pages.shape[:2]
     want = kv_quant.scale_pool_shape(num_pages, page_size, num_kv_heads)
     for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
         if x.dtype != jnp.float32 or x.shape != want:

@@ -43,8 +43,9 @@ class CpuBackend(AttentionBackend):
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
         layer_cache = _write(layer_cache, k, v, slots)
         k_pages, v_pages, *scales = layer_cache
-        k_pool = cpu_step.PagePool(k_pages, scales[0] if scales else None)
-        v_pool = cpu_step.PagePool(v_pages, scales[1] if scales else None)
+        k_heads, v_heads = (kv_quant.page_heads(x, q.shape[-1]) for x in (k_pages, v_pages))
+        k_pool = cpu_step.PagePool(k_heads, scales[0] if scales else None)
+        v_pool = cpu_step.PagePool(v_heads, scales[1] if scales else None)
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
             k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
         out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, metadata)

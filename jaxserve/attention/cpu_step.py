@@ -103,7 +103,8 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagePool:
-    """The pages of K or of V: `pages [N, page_size, Hkv, D]`, and for int8 pages their
+    """The pages of K or of V viewed with their heads apart, `pages [N, page_size, Hkv, D]`
+    (`kv_quant.page_heads` of the stored `[N, page_size, Hkv * D]`), and for int8 pages their
     scales `[N, Hkv * page_size]` (`pallas_kernels.kv_quant`)."""
 
     pages: jax.Array

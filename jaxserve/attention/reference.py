@@ -19,7 +19,7 @@ class ReferenceBackend(AttentionBackend):
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
         layer_cache = kv_quant.write(layer_cache, k, v, slots)
-        k_pages, v_pages = (kv_quant.dequantize_pages(pages, scales, q.dtype)
+        k_pages, v_pages = (kv_quant.dequantize_pages(pages, q.shape[-1], scales, q.dtype)
                             for pages, scales in
                             zip(layer_cache[:2], layer_cache[2:] or (None, None)))
         out = pallas_kernels.reference.ragged_paged_attention(

@@ -1,5 +1,6 @@
 """The paged KV cache: per layer `(k_pages, v_pages)`, each
-`[num_pages, page_size, num_kv_heads, head_dim]` (the kernels' contract), or with stacked
+`[num_pages, page_size, num_kv_heads * head_dim]` (the kernels' contract, heads packed along
+the last axis: `pallas_kernels.kv_quant.page_shape`), or with stacked
 layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
@@ -23,7 +24,7 @@ from jax.sharding import Mesh
 import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.model.config import ModelConfig
-from pallas_kernels.kv_quant import has_head_scales, has_scales, scale_pool_shape
+from pallas_kernels.kv_quant import has_head_scales, has_scales, page_shape, scale_pool_shape
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
@@ -72,14 +73,14 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
 def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
                     scan_layers: bool, mesh: Mesh | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
-    `[num_pages, page_size, Hkv, D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
-    `[num_layers * num_pages, page_size, Hkv, D]`, layer l's pages at
+    `[num_pages, page_size, Hkv * D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
+    `[num_layers * num_pages, page_size, Hkv * D]`, layer l's pages at
     `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
     offsets each layer's page ids). int8 pages add their scale pools `[pages, Hkv *
     page_size]`, split on kv heads like the pages on `mesh` (None: no shardings); fp8 pages
     their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
-    shape = (pages, page_size, model.num_kv_heads, model.head_dim)
+    shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim)
 
     def struct(shape, dtype, place):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else place(mesh))

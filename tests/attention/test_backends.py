@@ -39,6 +39,16 @@ def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
     return out
 
 
+def packed(pages):
+    """numpy pages [N, page_size, Hkv, D] as the backends store them: [N, page_size, Hkv * D]."""
+    return pages.reshape(*pages.shape[:2], HKV * D)
+
+
+def heads(pages):
+    """A backend's pages [N, page_size, Hkv * D] as numpy [N, page_size, Hkv, D]."""
+    return np.asarray(pages).reshape(*pages.shape[:2], HKV, D)
+
+
 def write(pages, new, slots):
     pages = pages.copy()
     for t, slot in enumerate(slots):
@@ -74,10 +84,11 @@ def test_a_step_of_every_kind_equals_numpy(name):
             pos = np.arange(kv_lens[s] - n, kv_lens[s])
             slots[cu[s]:cu[s] + n] = page_indices[s][pos // PAGE] * PAGE + pos % PAGE
         batch = PagedBatch(slots, kv_lens, page_indices, cu, np.array([3], np.int32))
-        out, (k_pages, v_pages) = step(batch, q, k_new, v_new, (cache[0], cache[1]))
+        out, (k_pages, v_pages) = step(batch, q, k_new, v_new,
+                                       (packed(cache[0]), packed(cache[1])))
         want_k, want_v = write(cache[0], k_new, slots), write(cache[1], v_new, slots)
-        np.testing.assert_array_equal(np.asarray(k_pages), want_k)
-        np.testing.assert_array_equal(np.asarray(v_pages), want_v)
+        np.testing.assert_array_equal(heads(k_pages), want_k)
+        np.testing.assert_array_equal(heads(v_pages), want_v)
         want = numpy_attention(q, want_k, want_v, kv_lens, page_indices, cu, 3, 6)
         np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, err_msg=str(kv_lens))
 
@@ -99,7 +110,7 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     cu = np.minimum(np.arange(rows + 1), num_seqs[0]).astype(np.int32)
     k_pages, v_pages = rng.normal(size=(2, 13, PAGE, HKV, D)).astype(np.float32)
     backend = make_backend(name, sliding_window)
-    layer_cache = (k_pages, v_pages)
+    layer_cache = (packed(k_pages), packed(v_pages))
 
     @jax.jit
     def loop_step(batch, q, k_new, v_new, layer_cache):
@@ -120,8 +131,8 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
         np.testing.assert_allclose(np.asarray(out)[live], want[live], atol=2e-5,
                                    err_msg=f"step {step}")
     k_final, v_final = layer_cache
-    np.testing.assert_array_equal(np.asarray(k_final), k_pages)
-    np.testing.assert_array_equal(np.asarray(v_final), v_pages)
+    np.testing.assert_array_equal(heads(k_final), k_pages)
+    np.testing.assert_array_equal(heads(v_final), v_pages)
 
 
 def test_stacked_layers_address_their_own_pages():
@@ -138,12 +149,13 @@ def test_stacked_layers_address_their_own_pages():
         backend = BACKENDS[name](PAGE, None, pages_per_layer=pages_per_layer)
         out, (k_pages, v_pages) = jax.jit(
             lambda b, *a: backend.for_step(b)(jnp.int32(1), *a))(batch, q, k_new, v_new,
-                                                                (pool[0], pool[1]))
+                                                                (packed(pool[0]),
+                                                                 packed(pool[1])))
         layer1_k, layer1_v = pool[0][pages_per_layer:], pool[1][pages_per_layer:]
         want_k = write(layer1_k, k_new, batch.slot_mapping)
         want_v = write(layer1_v, v_new, batch.slot_mapping)
-        np.testing.assert_array_equal(np.asarray(k_pages)[pages_per_layer:], want_k)
-        np.testing.assert_array_equal(np.asarray(k_pages)[:pages_per_layer], pool[0][:4])
+        np.testing.assert_array_equal(heads(k_pages)[pages_per_layer:], want_k)
+        np.testing.assert_array_equal(heads(k_pages)[:pages_per_layer], pool[0][:4])
         want = numpy_attention(q, want_k, want_v, np.array([4, 0]), batch.page_indices,
                                batch.cu_q_lens, 1, None)
         np.testing.assert_allclose(np.asarray(out)[:1], want[:1], atol=2e-5, err_msg=name)

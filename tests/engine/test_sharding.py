@@ -75,9 +75,9 @@ def test_tensor_parallel_matches_one_device(folder, single, tp):
     q_shard = attn["q_proj"][...].addressable_shards[0].data
     assert q_shard.shape == (64, 8 // tp, 8)  # each device holds only its heads
     k_pages, _ = llm.engine.runner.caches[0]
-    assert spec(k_pages) == (None, None, "model", None)
-    assert k_pages.shape[2] == 2 * repeats
-    assert k_pages.addressable_shards[0].data.shape[2] == 1  # one whole kv head per device
+    assert spec(k_pages) == (None, None, "model")  # [N, page_size, Hkv * D]
+    assert k_pages.shape[2] == 2 * repeats * 8
+    assert k_pages.addressable_shards[0].data.shape[2] == 8  # one whole kv head per device
     assert llm.engine.runner.compiles_after_warmup == 0
 
 
@@ -146,6 +146,6 @@ def test_stacked_layers_shard_and_match_the_layer_loop(tmp_path):
     q_proj = llm.model.layers.attn.q_proj.get_value()  # [L, E, Hq, D]
     assert q_proj.shape[0] == 2 and spec(q_proj) == (None, None, "model", None)
     for replica in llm.engine.replicas:
-        k_pages, v_pages = replica.runner.caches  # [L * N, page_size, Hkv, D]
+        k_pages, v_pages = replica.runner.caches  # [L * N, page_size, Hkv * D]
         assert k_pages.shape[0] == 2 * llm.engine.num_pages
-        assert spec(k_pages) == (None, None, "model", None) and v_pages.shape == k_pages.shape
+        assert spec(k_pages) == (None, None, "model") and v_pages.shape == k_pages.shape

@@ -21,13 +21,14 @@ class Case:
         rng = np.random.default_rng(seed)
         self.rng = rng
         num_pages = num_seqs * pages_per_seq + spare_pages
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv, D]
-        self.v_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv, D]
+        shape = (num_pages, page_size, num_kv_heads * head_dim)  # heads packed (kv_quant)
+        self.k_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv * D]
+        self.v_pages = rng.standard_normal(shape).astype(dtype)  # [N, page_size, Hkv * D]
         # Page 0 stays a padding page: real tables use distinct pages 1..N-1.
         perm = rng.permutation(np.arange(1, num_pages))[: num_seqs * pages_per_seq]
         self.page_indices = perm.reshape(num_seqs, pages_per_seq).astype(np.int32)  # [S, P]
-        self.num_q_heads, self.head_dim, self.dtype = num_q_heads, head_dim, dtype
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        self.head_dim, self.dtype = head_dim, dtype
 
     @property
     def tol(self):

@@ -87,7 +87,7 @@ def test_gpu_split_k_matches_reference(make_case, splits):
     case, kv_lens, table, clean = poisoned_case(
         make_case, splits, pages_per_seq=40, kv_lens=(0, 1, 40 * PAGE, 17 * PAGE + 3, 300, 33))
     q = case.queries(len(kv_lens))
-    _, _, hkv, d = case.k_pages.shape
+    hkv, d = case.num_kv_heads, case.head_dim
     key_lo, key_hi = batch_rows.decode_key_ranges(kv_lens, None)
     out = gpu_decode.attention(q.reshape(len(kv_lens), hkv, -1, d), case.k_pages,
                                case.v_pages, table, key_lo, key_hi,

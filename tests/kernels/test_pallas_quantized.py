@@ -22,26 +22,29 @@ MODES = [("gpu", True), ("tpu", pltpu.InterpretParams(detect_races=True))]
 MODE_IDS = ["gpu", "tpu-races"]
 # Decode shapes: (num_q_heads, num_kv_heads, head_dim, dtype, soft_cap, sliding_window).
 GQA_F32 = (8, 2, 128, np.float32, None, None)
-ONE_KV_HEAD_BF16 = (4, 1, 64, BF16, 5.0, 21)  # squeezed TPU pages, cap + window
+ONE_KV_HEAD_BF16 = (4, 1, 64, BF16, 5.0, 21)  # rows of one head, cap + window
 
 
-def quantize(x, kind):
-    """x [N, page_size, Hkv, D] float32 -> (codes, scales [N, page_size, Hkv] float32 or
-    None): int8 codes round(x / s) with s = absmax over D / 127 (1 for an all-zero row), or
-    fp8 (x clipped to ±448, unscaled)."""
+def quantize(x, kind, num_kv_heads):
+    """x [N, page_size, Hkv * D] float32 -> (codes [N, page_size, Hkv * D], scales
+    [N, page_size, Hkv] float32 or None): int8 codes round(x / s) with s = absmax over each
+    head's D values / 127 (1 for an all-zero head), or fp8 (x clipped to ±448, unscaled)."""
     if kind == "fp8":
         return np.clip(x, -448, 448).astype(FP8), None
-    absmax = np.abs(x).max(axis=-1)  # [N, page_size, Hkv]
+    heads = x.reshape(*x.shape[:2], num_kv_heads, -1)  # [N, page_size, Hkv, D]
+    absmax = np.abs(heads).max(axis=-1)  # [N, page_size, Hkv]
     scales = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
-    codes = np.clip(np.round(x / scales[..., None]), -127, 127).astype(np.int8)
-    return codes, scales
+    codes = np.clip(np.round(heads / scales[..., None]), -127, 127).astype(np.int8)
+    return codes.reshape(x.shape), scales
 
 
 def dequantize(codes, scales, dtype):
-    """What the pages hold, as dtype: codes * scales in float32, then rounded to dtype."""
+    """What the pages [N, page_size, Hkv * D] hold, as dtype: codes * scales [N, page_size,
+    Hkv] in float32, then rounded to dtype."""
     values = codes.astype(np.float32)
     if scales is not None:
-        values = values * scales[..., None]
+        heads = values.reshape(*scales.shape, -1)  # [N, page_size, Hkv, D]
+        values = (heads * scales[..., None]).reshape(codes.shape)
     return values.astype(dtype)
 
 
@@ -52,12 +55,12 @@ class QuantCase:
     def __init__(self, case, kind):
         self.case, self.kind = case, kind
         spread = np.float32(3.0) if kind == "fp8" else np.float32(1.0)  # fp8: more exponents
-        k = case.k_pages.astype(np.float32) * spread  # [N, page_size, Hkv, D]
-        v = case.v_pages.astype(np.float32) * spread  # [N, page_size, Hkv, D]
+        k = case.k_pages.astype(np.float32) * spread  # [N, page_size, Hkv * D]
+        v = case.v_pages.astype(np.float32) * spread  # [N, page_size, Hkv * D]
         if kind == "fp8":
-            k[0, 0, 0, :2] = [1000.0, -3e-3]  # clipped to 448; a subnormal
-        self.k_codes, self.k_scales = quantize(k, kind)
-        self.v_codes, self.v_scales = quantize(v, kind)
+            k[0, 0, :2] = [1000.0, -3e-3]  # clipped to 448; a subnormal
+        self.k_codes, self.k_scales = quantize(k, kind, case.num_kv_heads)
+        self.v_codes, self.v_scales = quantize(v, kind, case.num_kv_heads)
         self.k_float = dequantize(self.k_codes, self.k_scales, case.dtype)
         self.v_float = dequantize(self.v_codes, self.v_scales, case.dtype)
 
@@ -192,7 +195,7 @@ def test_reference_dequantizes_like_numpy(make_case):
 
 def scale_args(pages_dtype=jnp.int8, scales_dtype=jnp.float32, scales_shape=(8, 2 * PAGE)):
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
-    kv = jnp.zeros((8, PAGE, 2, 64), pages_dtype)
+    kv = jnp.zeros((8, PAGE, 2 * 64), pages_dtype)
     scales = jnp.zeros(scales_shape, scales_dtype)
     return (q, kv, kv, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 3), jnp.int32)), scales
 

@@ -24,9 +24,10 @@ def dense_attention(q, k, v, q_pos, kv_len, sm_scale, soft_cap=None, window=None
     return out
 
 
-def contiguous(pages, table_row):
-    """pages [N, page_size, Hkv, D], table_row [P] -> [P * page_size, Hkv, D]."""
-    return np.concatenate([pages[p] for p in table_row], axis=0)
+def contiguous(pages, table_row, head_dim):
+    """pages [N, page_size, Hkv * D], table_row [P] -> [P * page_size, Hkv, D]."""
+    keys = np.concatenate([pages[p] for p in table_row], axis=0)  # [P * page_size, Hkv * D]
+    return keys.reshape(keys.shape[0], -1, head_dim)
 
 
 @pytest.mark.parametrize("soft_cap,window", [(None, None), (5.0, 3)])
@@ -38,8 +39,8 @@ def test_decode_reference_matches_dense(make_case, soft_cap, window):
     out = reference.paged_attention(q, case.k_pages, case.v_pages, kv_lens, case.page_indices,
                                     soft_cap=soft_cap, sliding_window=window)
     for b in range(4):
-        k = contiguous(case.k_pages, case.page_indices[b])
-        v = contiguous(case.v_pages, case.page_indices[b])
+        k = contiguous(case.k_pages, case.page_indices[b], 64)
+        v = contiguous(case.v_pages, case.page_indices[b], 64)
         want = dense_attention(q[b], k, v, kv_lens[b] - 1, kv_lens[b], 64**-0.5, soft_cap, window)
         np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
 
@@ -55,8 +56,8 @@ def test_ragged_reference_matches_dense(make_case):
         q, case.k_pages, case.v_pages, kv_lens, case.page_indices, cu_q_lens, num_seqs,
         sm_scale=0.1))
     for s in range(3):
-        k = contiguous(case.k_pages, case.page_indices[s])
-        v = contiguous(case.v_pages, case.page_indices[s])
+        k = contiguous(case.k_pages, case.page_indices[s], 64)
+        v = contiguous(case.v_pages, case.page_indices[s], 64)
         for i in range(q_lens[s]):
             t = cu_q_lens[s] + i
             pos = kv_lens[s] - q_lens[s] + i
@@ -75,7 +76,7 @@ def test_write_kv_reference(make_case):
     want_k, want_v = case.k_pages.copy(), case.v_pages.copy()
     for t, slot in enumerate(slots):
         if slot >= 0:
-            want_k[slot // 16, slot % 16] = k_new[t]
-            want_v[slot // 16, slot % 16] = v_new[t]
+            want_k[slot // 16, slot % 16] = k_new[t].reshape(-1)  # heads side by side
+            want_v[slot // 16, slot % 16] = v_new[t].reshape(-1)
     np.testing.assert_array_equal(np.asarray(k), want_k)
     np.testing.assert_array_equal(np.asarray(v), want_v)

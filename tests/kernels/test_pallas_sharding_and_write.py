@@ -21,7 +21,7 @@ def test_shard_map_over_kv_heads_matches_unsharded(make_case):
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (case.queries(10), case.k_pages, case.v_pages, kv_lens, case.page_indices,
             cu_q_lens, np.array([3], np.int32))
-    heads, cache, rep = P(None, "model", None), P(None, None, "model", None), P()
+    heads, cache, rep = P(None, "model", None), P(None, None, "model"), P()  # whole heads
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, cache, cache, rep, rep, rep, rep),
@@ -54,13 +54,14 @@ def test_write_kv_donated_in_place(make_case):
 
 def good_args(hq=4, hkv=2, d=64, ps=16, dtype=jnp.float32):
     q = jnp.zeros((2, hq, d), dtype)
-    kv = jnp.zeros((8, ps, hkv, d), dtype)
+    kv = jnp.zeros((8, ps, hkv * d), dtype)
     return [q, kv, kv, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 3), jnp.int32)]
 
 
 @pytest.mark.parametrize("change,message", [
     (lambda a: good_args(hq=12, hkv=5), r"num_q_heads \(12\) must be a multiple of num_kv_heads \(5\)"),
     (lambda a: good_args(d=96), "head_dim 96 not supported"),
+    (lambda a: [a[0][..., :48]] + a[1:], "not a whole number of q's heads of head_dim 48"),
     (lambda a: good_args(ps=8), "page_size 8 not supported"),
     (lambda a: good_args(dtype=jnp.float16), "q dtype float16 not supported"),
     (lambda a: a[:4] + [a[4].astype(jnp.int64 if jax.config.x64_enabled else jnp.uint32)],
