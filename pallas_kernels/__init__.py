@@ -10,8 +10,9 @@ Public API:
 KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads * head_dim] (a
 token's kv heads packed along the last axis, lane-dense on TPU: `kv_quant.page_shape`), in
 q's dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
-[num_pages, num_kv_heads * page_size] float32. head_dim is q's. Every kernel reads the stored bytes and
-dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as the reference).
+[num_pages, num_kv_heads * page_size] float32. head_dim is q's. Every kernel reads the
+stored bytes and dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as
+the reference).
 
 Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
 sequence, the G query heads of a kv head as one block) and a prefill kernel

@@ -23,9 +23,10 @@ A layer's cache is a tuple:
   per token and kv head (absmax over D / 127), in a pool beside the pages: `[N, Hkv *
   page_size]`, row n holding page n's scales head by head (token p of head h at
   `h * page_size + p`). Why this layout: a `[N, page_size, Hkv]` pool would pad Hkv to 128
-  lanes or be laid out pages-minor and copied on every kernel call (as above); a row of `Hkv * page_size` floats is (nearly) dense, one
-  page's scales are one contiguous copy, head h's are a static lane slice, and splitting the
-  row's heads over devices (tensor parallel) splits it in whole blocks.
+  lanes or be laid out pages-minor and copied on every kernel call (as above); a row of
+  `Hkv * page_size` floats is (nearly) dense, one page's scales are one contiguous copy, head
+  h's are a static lane slice, and splitting the row's heads over devices (tensor parallel)
+  splits it in whole blocks.
 
 Every reader (the Pallas kernels, the CPU backend, the reference) reads the stored bytes and
 dequantizes as it computes: `codes * scale`. A token's own attention also goes through the

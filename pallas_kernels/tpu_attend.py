@@ -1,6 +1,10 @@
 """The block step both TPU kernels share: one copied K/V block folded into every kv head's
 online softmax (float32 running max, sum and weighted sum in VMEM scratch).
 
+A copied K/V block is `[pages_per_block, page_size, Hkv * D]`: a page's rows with the kv
+heads side by side (`kv_quant`), so head h is the static lane slice `[h * D, (h + 1) * D)`
+(for head_dim 64, half a 128-lane vreg row; Mosaic masks and shifts it, no copy in HBM).
+
 Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
 its scales and rounded to q's dtype; an fp8 tile is cast to q's dtype. A copied scale block
 is `[pages_per_block, Hkv * page_size]` (a page's row of the pool, `kv_quant`): head h's
@@ -33,10 +37,11 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
                  sm_scale, soft_cap, k_scale_buf=None, v_scale_buf=None):
     """Folds K/V block `slot` into the running softmax of every kv head.
 
-    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, Hkv * D] in q's dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf
-    [2, pages_per_block, Hkv * page_size] float32 for int8 pages; mask [R or 1, KB] the keys
-    each row sees; key_valid [KB, 1] keys in range (V rows outside it are zeroed: stale VMEM
-    may hold anything); m_ref, l_ref [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
+    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, Hkv * D] in q's dtype,
+    int8 or float8_e4m3fn; k_scale_buf, v_scale_buf [2, pages_per_block, Hkv * page_size]
+    float32 for int8 pages; mask [R or 1, KB] the keys each row sees; key_valid [KB, 1] keys
+    in range (V rows outside it are zeroed: stale VMEM may hold anything); m_ref, l_ref
+    [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
     """
     num_kv_heads, _, head_dim = q_ref.shape
     for h in range(num_kv_heads):
