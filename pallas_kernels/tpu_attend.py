@@ -3,7 +3,7 @@ online softmax (float32 running max, sum and weighted sum in VMEM scratch).
 
 A copied K/V block is `[pages_per_block, page_size, Hkv * D]`: a page's rows with the kv
 heads side by side (`kv_quant`), so head h is the static lane slice `[h * D, (h + 1) * D)`
-(for head_dim 64, half a 128-lane vreg row; Mosaic masks and shifts it, no copy in HBM).
+(for head_dim 64, half of a 128-lane row: sliced in VMEM, with no copy of the pool in HBM).
 
 Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
 its scales and rounded to q's dtype; an fp8 tile is cast to q's dtype. A copied scale block
