@@ -1,7 +1,8 @@
 """The reference backend: the pure-jnp oracle of `pallas_kernels.reference`, the definition
 the kernels and the CPU backend are tested against. Every query token gathers its whole page
 table, so it is slow; use it to check results, not to serve. Quantized pages are
-dequantized whole before it reads them: the definition of what a quantized cache holds."""
+dequantized whole before it reads them (by the oracle itself): the definition of what a
+quantized cache holds."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ class ReferenceBackend(AttentionBackend):
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
         layer_cache = kv_quant.write(layer_cache, k, v, slots)
-        k_pages, v_pages = (kv_quant.dequantize_pages(pages, q.shape[-1], scales, q.dtype)
-                            for pages, scales in
-                            zip(layer_cache[:2], layer_cache[2:] or (None, None)))
+        k_pages, v_pages, *scales = layer_cache
         out = pallas_kernels.reference.ragged_paged_attention(
             q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens, batch.num_seqs,
-            sliding_window=self.sliding_window)
+            sliding_window=self.sliding_window,
+            **dict(zip(("k_scales", "v_scales"), scales)))  # int8 pages only
         return out, layer_cache
