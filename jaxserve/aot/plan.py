@@ -12,6 +12,10 @@ compiled by XLA:TPU / XLA:GPU (Mosaic and Triton compile the Pallas kernels on t
 What is checked, per device, from each compiled executable's `memory_analysis()`:
 - `cache_donated`: the KV cache input is aliased to its output (alias bytes cover the whole
   cache), i.e. the step updates pages in place rather than copying the cache;
+- `cache_copies`: no copy instruction in the compiled program produces an array shaped like
+  a page pool on one device, i.e. XLA does not relay the pool out for the attention kernel
+  (a whole-cache copy per layer and step; `pallas_kernels.kv_quant` says which layouts
+  avoid it). Read from the compiled HLO: memory_analysis may not count such a copy;
 - the program's peak, arguments + outputs - aliased + temporaries + code, within the device's
   memory. `fits` holds when the weights plus the cache fit and every program's peak does.
 
@@ -25,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
@@ -63,6 +69,7 @@ class ProgramReport:
     temp_bytes: int = 0
     peak_bytes: int = 0
     cache_donated: bool = False
+    cache_copies: int = 0  # copies of a KV page pool per call (relayouts)
     error: str | None = None
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
 
@@ -87,12 +94,29 @@ def chosen_programs(runner: Runner, buckets: str) -> list[tuple[str, int, int]]:
     return chosen
 
 
+def kv_pool_shapes(caches) -> set[tuple[int, ...]]:
+    """The per-device shapes of a cache structure's page pools (its 3-D leaves, `[N,
+    page_size, Hkv * D]`; scale arrays have fewer dims)."""
+    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(caches)
+            if leaf.ndim == 3}
+
+
+def pool_copies(hlo_text: str, shapes) -> int:
+    """Copy instructions in compiled HLO text whose result has one of `shapes`."""
+    if not shapes:
+        return 0
+    dims = "|".join(re.escape(",".join(map(str, shape))) for shape in shapes)
+    return len(re.findall(r"= \w+\[(?:" + dims + r")\]\{[^}]*\} copy\(", hlo_text))
+
+
 def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_bytes: int,
-                    platform: str, dump_dir: str | None = None) -> ProgramReport:
+                    platform: str, dump_dir: str | None = None,
+                    pool_shapes=()) -> ProgramReport:
     """Compile one jitted program for `platform` from abstract `args` and read its needs.
 
     `kv_cache_bytes`: the cache's bytes per device, which must all be aliased for
-    `cache_donated`. `dump_dir`: where XLA dumps the compile (GPU kernel resources)."""
+    `cache_donated`. `dump_dir`: where XLA dumps the compile (GPU kernel resources).
+    `pool_shapes`: the page pools' per-device shapes, whose copies are `cache_copies`."""
     report = ProgramReport(name, tokens, seqs)
     started = time.perf_counter()
     try:
@@ -109,6 +133,7 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes
                             + memory.generated_code_size_in_bytes)
     report.cache_donated = memory.alias_size_in_bytes >= kv_cache_bytes
+    report.cache_copies = pool_copies(compiled.as_text(), pool_shapes)
     return report
 
 
@@ -214,7 +239,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         with tempfile.TemporaryDirectory() as dump:
             dump_dir = dump if verbose and target.platform == "gpu" else None
             report = compile_program(jitted, args, kind, tokens, seqs, kv_bytes,
-                                     target.lowering_platform, dump_dir)
+                                     target.lowering_platform, dump_dir,
+                                     kv_pool_shapes(runner.caches))
             if dump_dir and report.compiled:
                 report.kernels = gpu_kernels.triton_kernel_resources(dump_dir)
         reports.append(report)
@@ -240,6 +266,11 @@ def _failure(reports: list[ProgramReport], resident: int, hbm: int,
             return f"program {r.name} ({r.tokens} tokens, {r.seqs} seqs) failed: {r.error}"
         if not r.cache_donated:
             return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
+        if r.cache_copies:
+            return (f"program {r.name} ({r.tokens}, {r.seqs}) copies a KV page pool "
+                    f"{r.cache_copies} time(s) per call: XLA relays it out for the attention "
+                    "kernel (e.g. one kv head of 64 per device on TPU: lower "
+                    "tensor_parallel_size)")
         if in_use + r.peak_bytes > hbm:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
                     f"GiB per device of {hbm / GIB:.2f}{note}")

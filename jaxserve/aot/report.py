@@ -38,7 +38,9 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
             continue
         lines.append(f"  {p['name']:<8} {p['tokens']:>6} {p['seqs']:>5} "
                      f"{p['compile_seconds']:>9.1f} {_gib(p['temp_bytes']):>10} "
-                     f"{_gib(p['peak_bytes']):>10}  {'yes' if p['cache_donated'] else 'NO'}")
+                     f"{_gib(p['peak_bytes']):>10}  {'yes' if p['cache_donated'] else 'NO'}"
+                     + (f", copies a page pool {p['cache_copies']}x" if p.get("cache_copies")
+                        else ""))
         for k in (p.get("kernels") or []) if verbose else []:
             lines.append(
                 f"      {k['name']}: grid {k['grid']}, threads {k['threads'][0]}, "

@@ -89,6 +89,7 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
     assert shapes == [("step", 16, 2), ("step", 64, 8), ("decode", 2, 2), ("decode", 8, 8)]
     for program in plan["programs"]:
         assert program["compiled"] and program["cache_donated"], program
+        assert program["cache_copies"] == 0, program
         assert program["compile_seconds"] > 0
         assert program["peak_bytes"] >= plan["weights_bytes_per_device"] + pages * page
     assert plan["max_temp_bytes_per_device"] == max(p["temp_bytes"] for p in plan["programs"])
@@ -190,3 +191,25 @@ def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accele
     page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * per_token_head
     assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
+
+
+@pytest.mark.parametrize("kv_heads,copies", [(2, False), (1, True)])
+def test_a_plan_fails_where_xla_would_copy_the_page_pool(tmp_path, kv_heads, copies):
+    """head_dim 64 on TPU: two kv heads per device make a 128-lane page row, which XLA keeps
+    row-major and the kernels read in place; one kv head makes a 64-value row, which XLA
+    lays out pages-minor and copies into the kernels' layout on every call. The plan finds
+    the copy in the compiled program and fails naming it. (With the cache sized from all of
+    the HBM the copies do not even fit: the compile itself fails. 4000 pages keep it small.)"""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {**TINY, "num_key_value_heads": kv_heads, "head_dim": 64}))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e"))
+    code, plan = run_plan("--config", preset, "--model", folder, "--buckets", "largest",
+                          "--num-pages", 4000)
+    assert [p["cache_copies"] > 0 for p in plan["programs"]] == [copies] * 2
+    if copies:
+        assert code == 1 and "copies a KV page pool" in plan["reason"]
+    else:
+        assert code == 0, plan["reason"]
