@@ -8,8 +8,10 @@ one axis: XLA:TPU tiles an array's last two dims by (8, 128) (bf16: (16, 128)), 
 and tokens swapped for int8 with 2 kv heads. A row of `Hkv * D` values that is a multiple of
 128 is laid out row-major for every dtype, so the kernels read it in place and a head is a
 static lane slice; CPU and GPU arrays are row-major either way, and their readers view a
-pool as `[N, page_size, Hkv, D]` for free (`page_heads`). Left over: one head of 64 per
-device (a row of 64) is still laid out pages-minor on TPU (`jaxserve plan` shows the copy).
+pool as `[N, page_size, Hkv, D]` for free (`page_heads`). Left over: a row that is not a
+multiple of 128 (one head of 64 per device, or 3, 5, 7 heads of 64) is still laid out
+pages-minor on TPU and copied (`jaxserve plan` fails naming the copy); padding such rows to
+128 lanes on TPU would fix it.
 
 A layer's cache is a tuple:
 - `(k_pages, v_pages)`, each `[N, page_size, Hkv * D]`, in the compute dtype ("auto");
@@ -26,7 +28,8 @@ A layer's cache is a tuple:
   lanes or be laid out pages-minor and copied on every kernel call (as above); a row of
   `Hkv * page_size` floats is (nearly) dense, one page's scales are one contiguous copy, head
   h's are a static lane slice, and splitting the row's heads over devices (tensor parallel)
-  splits it in whole blocks.
+  splits it in whole blocks. A row under 128 floats (one kv head with pages of 64) is still
+  laid out pages-minor on TPU and copied per call (1/32 of the int8 pages' bytes).
 
 Every reader (the Pallas kernels, the CPU backend, the reference) reads the stored bytes and
 dequantizes as it computes: `codes * scale`. A token's own attention also goes through the

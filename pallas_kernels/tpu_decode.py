@@ -22,9 +22,10 @@ Quantized pages (`kv_quant`) are copied as stored (int8 or fp8: half a bf16 page
 dequantized per head in VMEM (`tpu_attend`). int8 pages bring their float32 scales along
 (the page's row `[Hkv * page_size]` of the scale pool): one more copy per page for each of K
 and V (four per page instead of two), into two-slot buffers of their own that the VMEM
-budget counts. XLA passes the pool to the kernel as it is, no copy (measured in full
-compiles with 8 kv heads and with 1: tests/kernels/test_pallas_compile.py); rows narrower than
-128 floats are lane-padded in HBM, at most 2x of a pool 1/32 the size of the int8 pages.
+budget counts. XLA passes the pool to the kernel as it is when its rows hold 128 floats or
+more (8 kv heads with pages of 64: tests/kernels/test_pallas_compile.py); a narrower row (one
+kv head with pages of 64: 64 floats) is laid out pages-minor and copied per call, a copy 1/32
+the size of the int8 pages (found in the compiled HLO; not yet fixed).
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
@@ -45,8 +46,9 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   (tests/kernels/test_pallas_compile.py): head_dim 64 with 2 or more kv heads and head_dim
   128 with any count need no copy of the cache (the former `[N, page_size, Hkv, D]` pools
   were laid out pages-minor for head_dim 64 and copied whole on every call). Not covered:
-  one kv head of 64 per device (a 64-value row, still laid out pages-minor; RPA v3's fused
-  K/V would make it 128), which a 1B model meets only with 8-way tensor parallelism.
+  rows that are not a multiple of 128 lanes, i.e. one kv head of 64 per device (e.g. a model
+  with 2 kv heads of 64 at tp=2) or 3, 5, 7 heads of 64: XLA lays them out pages-minor and
+  copies them (RPA v3 pads head_dim to 128 and fuses K/V; padding the row would do here).
 """
 
 import functools

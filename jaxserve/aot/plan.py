@@ -69,7 +69,7 @@ class ProgramReport:
     temp_bytes: int = 0
     peak_bytes: int = 0
     cache_donated: bool = False
-    cache_copies: int = 0  # copies of a KV page pool per call (relayouts)
+    cache_copies: int = 0  # copy instructions of a whole page pool (relayouts)
     error: str | None = None
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
 
@@ -96,7 +96,8 @@ def chosen_programs(runner: Runner, buckets: str) -> list[tuple[str, int, int]]:
 
 def kv_pool_shapes(caches) -> set[tuple[int, ...]]:
     """The per-device shapes of a cache structure's page pools (its 3-D leaves, `[N,
-    page_size, Hkv * D]`; scale arrays have fewer dims)."""
+    page_size, Hkv * D]`). int8 scale pools are left out: one whose rows hold fewer than 128
+    floats is copied too (`pallas_kernels.kv_quant`), a copy 1/32 of the int8 pages' size."""
     return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(caches)
             if leaf.ndim == 3}
 
@@ -267,10 +268,10 @@ def _failure(reports: list[ProgramReport], resident: int, hbm: int,
         if not r.cache_donated:
             return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
         if r.cache_copies:
-            return (f"program {r.name} ({r.tokens}, {r.seqs}) copies a KV page pool "
-                    f"{r.cache_copies} time(s) per call: XLA relays it out for the attention "
-                    "kernel (e.g. one kv head of 64 per device on TPU: lower "
-                    "tensor_parallel_size)")
+            return (f"program {r.name} ({r.tokens}, {r.seqs}) has {r.cache_copies} copy "
+                    "instruction(s) of a whole KV page pool: most likely XLA "
+                    "relaying it out for the attention kernel (on TPU: kv heads per device x "
+                    "head_dim not a multiple of 128; see pallas_kernels/kv_quant.py)")
         if in_use + r.peak_bytes > hbm:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
                     f"GiB per device of {hbm / GIB:.2f}{note}")

@@ -63,12 +63,16 @@ def test_kernels_compile(target, shape):
     a = _structs(target, hq, hkv, d, ps, dtype, NUM_SEQS)
     decode = _compile(lambda *x: pk.paged_attention(*x, **opts), target,
                       a["q"], a["pages"], a["pages"], a["kv_lens"], a["table"])
+    # every grid row (kv heads x head_dim) is a multiple of 128: no relayout of the pool
+    assert pool_copies(decode.as_text(), [a["pages"].shape]) == 0
     # the output buffer is at least [B, Hq, D] (TPU tiling may pad it)
     assert decode.memory_analysis().output_size_in_bytes >= NUM_SEQS * hq * d * jnp.dtype(
         dtype).itemsize
     a = _structs(target, hq, hkv, d, ps, dtype, TOKENS)
-    _compile(lambda *x: pk.ragged_paged_attention(*x, **opts), target, a["q"], a["pages"],
-             a["pages"], a["kv_lens"], a["table"], a["cu_q_lens"], a["num_seqs"])
+    ragged = _compile(lambda *x: pk.ragged_paged_attention(*x, **opts), target, a["q"],
+                      a["pages"], a["pages"], a["kv_lens"], a["table"], a["cu_q_lens"],
+                      a["num_seqs"])
+    assert pool_copies(ragged.as_text(), [a["pages"].shape]) == 0
 
 
 ENGINE_TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "h200", 1)]
@@ -97,25 +101,28 @@ def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, 
 # heads and 1: int8 scale rows of 512 and of 64 floats) and of 16 on GPU. Each kind on each
 # TPU generation and on two GPUs (A100 has no fp8 conversions: the GPU kernels decode fp8
 # bytes with integer ops).
-QUANT_CASES = [
-    (Target("tpu", "v5e", 1), "int8", 32, 8, 64), (Target("tpu", "v6e", 1), "int8", 4, 1, 64),
-    (Target("tpu", "v6e", 1), "fp8", 32, 8, 64), (Target("tpu", "v5e", 1), "fp8", 4, 1, 64),
-    (Target("tpu", "v6e", 1), "int8", 8, 2, 64),  # 2 heads: once laid out heads-minor
-    (Target("gpu", "h200", 1), "int8", 32, 8, 16), (Target("gpu", "h100", 1), "fp8", 32, 8, 16),
-    (Target("gpu", "a100-80g", 1), "fp8", 32, 8, 16),
+QUANT_CASES = [  # (target, kind, Hq, Hkv, page_size, head_dim)
+    (Target("tpu", "v5e", 1), "int8", 32, 8, 64, 128),
+    (Target("tpu", "v6e", 1), "int8", 4, 1, 64, 128),
+    (Target("tpu", "v6e", 1), "fp8", 32, 8, 64, 128),
+    (Target("tpu", "v5e", 1), "fp8", 4, 1, 64, 128),
+    (Target("tpu", "v6e", 1), "int8", 8, 2, 64, 128),  # 2 heads: once laid out heads-minor
+    (Target("tpu", "v5e", 1), "int8", 8, 2, 64, 64),  # head_dim 64: lanes 64-127 sliced
+    (Target("gpu", "h200", 1), "int8", 32, 8, 16, 128),
+    (Target("gpu", "h100", 1), "fp8", 32, 8, 16, 128),
+    (Target("gpu", "a100-80g", 1), "fp8", 32, 8, 16, 128),
 ]
 QUANT_PAGES = 4096  # a pool large enough that a copy of it would show in the temporaries
 
 
-@pytest.mark.parametrize("target,kind,hq,hkv,page_size", QUANT_CASES,
-                         ids=[f"{t.accelerator}-{k}-hkv{h}" for t, k, _, h, _ in QUANT_CASES])
-def test_quantized_pages_compile(target, kind, hq, hkv, page_size):
+@pytest.mark.parametrize("target,kind,hq,hkv,page_size,d", QUANT_CASES,
+                         ids=[f"{c[0].accelerator}-{c[1]}-hkv{c[3]}-d{c[5]}" for c in QUANT_CASES])
+def test_quantized_pages_compile(target, kind, hq, hkv, page_size, d):
     """int8 pages with their scales and fp8 pages: both kernels compile, and their
     temporaries stay far below the cache: no dequantized or relaid-out copy of the pages,
     nor of the int8 scale pools (a lane-padded copy of those would be 16-128x their size)."""
     sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
-    d = 128
     pages = s((QUANT_PAGES, page_size, hkv * d), jnp.int8 if kind == "int8" else
               jnp.float8_e4m3fn)
     scales = [s((QUANT_PAGES, hkv * page_size), jnp.float32)] * 2 if kind == "int8" else []
@@ -136,4 +143,4 @@ def test_quantized_pages_compile(target, kind, hq, hkv, page_size):
                       s((NUM_SEQS + 1,), jnp.int32), s((1,), jnp.int32), *scales)
     for compiled in (decode, ragged):
         assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
-        assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout
+        assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout of pages
