@@ -233,6 +233,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
     reports = []
     programs = chosen_programs(runner, buckets)
+    pool_shapes = kv_pool_shapes(runner.caches)
     result["warm_up_programs"] = len(runner.bucket_programs())  # per replica, at serve time
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
                                    unit="program", disable=not progress):
@@ -240,8 +241,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         with tempfile.TemporaryDirectory() as dump:
             dump_dir = dump if verbose and target.platform == "gpu" else None
             report = compile_program(jitted, args, kind, tokens, seqs, kv_bytes,
-                                     target.lowering_platform, dump_dir,
-                                     kv_pool_shapes(runner.caches))
+                                     target.lowering_platform, dump_dir, pool_shapes)
             if dump_dir and report.compiled:
                 report.kernels = gpu_kernels.triton_kernel_resources(dump_dir)
         reports.append(report)
