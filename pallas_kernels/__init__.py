@@ -8,7 +8,9 @@ Public API:
   reference                                                              pure-jnp oracles
 
 KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads * head_dim] (a
-token's kv heads packed along the last axis, lane-dense on TPU: `kv_quant.page_shape`), in
+token's kv heads packed along the last axis, lane-dense on TPU: `kv_quant.page_shape`; on TPU
+f tokens may share a row, [num_pages, page_size / f, f * num_kv_heads * head_dim], and the
+kernels then take `page_size=`: `kv_quant.tokens_per_row`), in
 q's dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
 [num_pages, num_kv_heads * page_size] float32. head_dim is q's. Every kernel reads the
 stored bytes and dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as
@@ -99,7 +101,8 @@ def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_
     validation.check_table_covers(kv_lens, dims)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [B]
     key_lo, key_hi = batch_rows.decode_key_ranges(kv_lens, sliding_window)  # [B] each
-    kernel = _decode_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap)
+    kernel = _decode_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap,
+                        page_size=dims.page_size)
     batch = q.shape[0]
     q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
     out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales, v_scales)
@@ -113,11 +116,12 @@ def _check_backend(backend):
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, interpret=None, backend=None,
-                    k_scales=None, v_scales=None):
+                    k_scales=None, v_scales=None, page_size=None):
     """Decode attention: one query token per sequence, at position kv_lens[b] - 1.
 
-    q [B, Hq, D]; k_pages, v_pages [N, page_size, Hkv * D] in q's dtype, int8 or
-    float8_e4m3fn; k_scales, v_scales [N, Hkv * page_size] float32 for int8 pages only;
+    q [B, Hq, D]; k_pages, v_pages [N, page_size / f, f * Hkv * D] in q's dtype, int8 or
+    float8_e4m3fn (page_size None: the pages' rows, f = 1; `kv_quant.tokens_per_row`);
+    k_scales, v_scales [N, Hkv * page_size] float32 for int8 pages only;
     kv_lens int32[B]; page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32
     softmax).
     sm_scale defaults to 1/sqrt(D); soft_cap: logits = c * tanh(logits / c);
@@ -128,9 +132,9 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
         return reference.paged_attention(q, k_pages, v_pages, kv_lens, page_indices,
                                          sm_scale=sm_scale, soft_cap=soft_cap,
                                          sliding_window=sliding_window, k_scales=k_scales,
-                                         v_scales=v_scales)
+                                         v_scales=v_scales, page_size=page_size)
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
-                                   k_scales=k_scales, v_scales=v_scales)
+                                   k_scales=k_scales, v_scales=v_scales, page_size=page_size)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     return _decode(q, k_pages, v_pages, kv_lens, page_indices, dims,
                    sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
@@ -141,7 +145,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
                            interpret=None, backend=None, q_block=None, k_scales=None,
-                           v_scales=None):
+                           v_scales=None, page_size=None):
     """Attention for a flat batch of prefill chunks and decode tokens.
 
     q [T, Hq, D]; kv_lens int32[S] (total kv length incl. this step's tokens,
@@ -158,9 +162,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         return reference.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-            k_scales=k_scales, v_scales=v_scales)
+            k_scales=k_scales, v_scales=v_scales, page_size=page_size)
     dims = validation.check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                   num_seqs, k_scales=k_scales, v_scales=v_scales)
+                                   num_seqs, k_scales=k_scales, v_scales=v_scales,
+                                   page_size=page_size)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     if q_block is not None and q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
@@ -170,7 +175,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [S]
     rows = batch_rows.split_rows(cu_q_lens, num_seqs)
     prefill = _prefill_fn(backend, interpret, sm_scale=sm_scale, soft_cap=soft_cap,
-                          sliding_window=sliding_window, q_block=q_block)
+                          sliding_window=sliding_window, q_block=q_block,
+                          page_size=dims.page_size)
     out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, rows.chunk_len,
                   k_scales, v_scales)  # [T, Hq, D], decode rows 0
     decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]

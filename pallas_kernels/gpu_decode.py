@@ -121,11 +121,14 @@ def combine(acc, m, l):
     return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret",
+                                             "page_size"))
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
-              v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False):
+              v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False,
+              page_size=None):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
-    dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn).
+    dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn;
+    TPU's folded rows, `kv_quant.tokens_per_row`, are unfolded first: a copy).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
@@ -134,7 +137,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     Returns [B, Hkv, G, D].
     """
     batch, num_kv_heads, group, head_dim = q.shape
-    page_size = k_pages.shape[1]
+    page_size = page_size or k_pages.shape[1]
     if splits is None:
         splits = default_splits(batch, num_kv_heads)
     rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
@@ -170,8 +173,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention_triton",
-    )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim),
-      gpu_dequant.as_loaded(v_pages, head_dim), *scales)
+    )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim, page_size),
+      gpu_dequant.as_loaded(v_pages, head_dim, page_size), *scales)
     if splits > 1:
         out = combine(*out).astype(q.dtype)  # [B, Hkv, G', D]
     return out[:, :, :group]  # [B, Hkv, G, D]

@@ -16,11 +16,11 @@ from pallas_kernels import kv_quant
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def as_loaded(pages, head_dim):
+def as_loaded(pages, head_dim, page_size=None):
     """pages [N, page_size, Hkv * D] as the kernels load them: viewed as [N, page_size, Hkv,
-    D] (`kv_quant.page_heads`: a GPU array is row-major, so no copy), fp8 as uint8 bytes (a
-    bitcast), other dtypes unchanged."""
-    pages = kv_quant.page_heads(pages, head_dim)
+    D] (`kv_quant.page_heads`: a GPU array is row-major, so no copy; TPU's folded rows are
+    unfolded, a copy), fp8 as uint8 bytes (a bitcast), other dtypes unchanged."""
+    pages = kv_quant.page_heads(pages, head_dim, page_size)
     if pages.dtype == FP8:
         return jax.lax.bitcast_convert_type(pages, jnp.uint8)
     return pages

@@ -143,14 +143,15 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "block_keys",
-                     "num_warps", "num_stages", "interpret"),
+                     "num_warps", "num_stages", "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
-              block_keys=None, num_warps=None, num_stages=2, interpret=False):
+              block_keys=None, num_warps=None, num_stages=2, interpret=False, page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
     [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
-    float32, or float8_e4m3fn).
+    float32, or float8_e4m3fn; TPU's folded rows, `kv_quant.tokens_per_row`, are unfolded
+    first: a copy).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
@@ -161,8 +162,9 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     Returns [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size = k_pages.shape[:2]
-    num_kv_heads = k_pages.shape[2] // head_dim
+    num_pages = k_pages.shape[0]
+    page_size = page_size or k_pages.shape[1]
+    num_kv_heads = k_pages.shape[2] * k_pages.shape[1] // (page_size * head_dim)
     group = num_q_heads // num_kv_heads
     q_block = q_block or default_q_block(group, head_dim, q.dtype.itemsize)
     if block_keys is None:  # sized by q's dtype: quantized tiles are widened to it for the dots
@@ -197,7 +199,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
         interpret=interpret,
         name="prefill_attention_triton",
     )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, page_indices, q_tiles,
-      *(gpu_dequant.as_loaded(x, head_dim).reshape(num_pages * page_size, num_kv_heads,
+      *(gpu_dequant.as_loaded(x, head_dim, page_size).reshape(num_pages * page_size, num_kv_heads,
                                                     head_dim)
         for x in (k_pages, v_pages)), *scales)  # [tiles, Hkv, R', D]
     out = out[:, :, :rows].reshape(num_tiles, num_kv_heads, q_block, group, head_dim)

@@ -8,11 +8,17 @@ one axis: XLA:TPU tiles an array's last two dims by (8, 128) (bf16: (16, 128)), 
 and tokens swapped for int8 with 2 kv heads. A row of `Hkv * D` values that is a multiple of
 128 is laid out row-major for every dtype, so the kernels read it in place and a head is a
 static lane slice; CPU and GPU arrays are row-major either way, and their readers view a
-pool as `[N, page_size, Hkv, D]` for free (`page_heads`). Left over: a row that is not a
-multiple of 128 (one head of 64 per device, or 3, 5, 7 heads of 64) is still laid out
-pages-minor on TPU and copied (`jaxserve plan` fails naming the copy); padding such rows to
-128 lanes on TPU would fix it.
+pool as `[N, page_size, Hkv, D]` for free (`page_heads`).
 
+Folded rows, on TPU only (`tokens_per_row`): where a device's row would not be a multiple of
+128 lanes (one kv head of 64 per device, e.g. 2 kv heads of 64 at tensor parallel 2, or 3
+heads of 64), f tokens share a row: pages are `[N, page_size / f, f * Hkv * D]`, token p of a
+page at row `p % (page_size / f)`, part `j = p // (page_size / f)`, head h's values at lanes
+`[(h * f + j) * D, (h * f + j + 1) * D)` (head-major, so splitting the row's heads over
+devices still splits it into whole heads). The row is lane-dense, so XLA passes the pool to
+the kernels as it lies instead of copying it per call, and no lane is padding (RPA v3 pads
+head_dim 64 to 128 instead, doubling such a cache); a head's f parts, stacked, are its
+`page_size` keys in order. Readers take `page_size` to know f.
 A layer's cache is a tuple:
 - `(k_pages, v_pages)`, each `[N, page_size, Hkv * D]`, in the compute dtype ("auto");
 - `(k_pages, v_pages, k_scale, v_scale)` for "fp8": float8_e4m3fn pages and one float32
@@ -38,6 +44,8 @@ cache, so a step reads back exactly what later steps will (`round_trip`).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from pallas_kernels import absmax
@@ -58,16 +66,51 @@ def page_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype] or jnp.dtype(compute_dtype)
 
 
-def page_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-    """A page pool's shape: `[N, page_size, Hkv * D]`, kv heads packed along the last axis."""
-    return num_pages, page_size, num_kv_heads * head_dim
+LANES = 128  # a TPU vector register's lanes: the minor tile of every dtype
 
 
-def page_heads(pages, head_dim: int):
-    """Pages `[..., page_size, Hkv * D]` viewed as `[..., page_size, Hkv, D]`: a free reshape
-    of a row-major array (CPU, GPU); on TPU a relayout of the pool, which the TPU kernels avoid
-    by slicing heads out of the rows they copy."""
-    return pages.reshape(*pages.shape[:-1], pages.shape[-1] // head_dim, head_dim)
+def tokens_per_row(page_size: int, num_kv_heads: int, head_dim: int, num_shards: int = 1,
+                   platform: str = "tpu") -> int:
+    """How many tokens share a row of a page pool (f above): 1 off TPU, and on TPU where a
+    device's `Hkv / num_shards * D` values are a multiple of 128 lanes; else the fewest
+    tokens whose values together are (2 for one head of 64), if they divide page_size."""
+    if platform != "tpu":
+        return 1
+    fold = LANES // math.gcd(num_kv_heads // num_shards * head_dim, LANES)
+    return fold if page_size % fold == 0 else 1
+
+
+def page_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+               fold: int = 1) -> tuple:
+    """A page pool's shape: `[N, page_size / fold, fold * Hkv * D]`, kv heads packed along the
+    last axis, `fold` tokens to a row (`tokens_per_row`)."""
+    if page_size % fold:
+        raise ValueError(f"page_size {page_size} is not a whole number of rows of {fold} "
+                         "tokens")
+    return num_pages, page_size // fold, fold * num_kv_heads * head_dim
+
+
+def page_heads(pages, head_dim: int, page_size: int | None = None):
+    """Pages `[..., page_size / f, f * Hkv * D]` (page_size None: f = 1) viewed as `[...,
+    page_size, Hkv, D]`: for f = 1 a free reshape of a row-major array (CPU, GPU; on TPU a
+    relayout of the pool, which the TPU kernels avoid by slicing heads out of the rows they
+    copy); folded rows are unfolded, a copy."""
+    *lead, rows, width = pages.shape
+    fold = 1 if page_size is None else page_size // rows
+    if fold == 1:
+        return pages.reshape(*lead, rows, width // head_dim, head_dim)
+    parts = pages.reshape(*lead, rows, width // (fold * head_dim), fold, head_dim)
+    parts = jnp.moveaxis(parts, -2, -4)  # [..., f, rows, Hkv, D]
+    return parts.reshape(*lead, fold * rows, width // (fold * head_dim), head_dim)
+
+
+def fold_heads(pages, fold: int = 1):
+    """The inverse of `page_heads`: pages `[..., page_size, Hkv, D]` stored `fold` tokens to
+    a row, `[..., page_size / fold, fold * Hkv * D]`."""
+    *lead, page_size, num_kv_heads, head_dim = pages.shape
+    parts = pages.reshape(*lead, fold, page_size // fold, num_kv_heads, head_dim)
+    parts = jnp.moveaxis(parts, -4, -2)  # [..., rows, Hkv, f, D]
+    return parts.reshape(*lead, page_size // fold, fold * num_kv_heads * head_dim)
 
 
 def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple:
@@ -141,10 +184,12 @@ def dequantize(codes, scales=None, dtype=jnp.float32):
     return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def dequantize_pages(pages, head_dim: int, scales=None, dtype=jnp.float32):
-    """A whole pool's values as `dtype`, `[N, page_size, Hkv, D]`: pages `[N, page_size,
-    Hkv * D]` with their scale pool `[N, Hkv * page_size]` (None: unscaled)."""
-    pages = page_heads(pages, head_dim)
+def dequantize_pages(pages, head_dim: int, scales=None, dtype=jnp.float32,
+                     page_size: int | None = None):
+    """A whole pool's values as `dtype`, `[N, page_size, Hkv, D]`: pages `[N, page_size / f,
+    f * Hkv * D]` (page_size None: f = 1) with their scale pool `[N, Hkv * page_size]` (None:
+    unscaled)."""
+    pages = page_heads(pages, head_dim, page_size)
     if scales is None:
         return dequantize(pages, None, dtype)
     return dequantize(pages, scales_by_token(scales, pages.shape[1]), dtype)
@@ -161,18 +206,19 @@ def round_trip(x, dtype, head_scale=None):
     return (codes.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def write(layer_cache: tuple, k_new, v_new, slot_mapping) -> tuple:
+def write(layer_cache: tuple, k_new, v_new, slot_mapping, page_size: int | None = None) -> tuple:
     """Write token t's K/V (`[T, Hkv, D]`) to slot `slot_mapping[t]` of a layer's cache (a
-    2- or 4-tuple as above), quantizing them for the pages' dtype; negative slots are not
-    written. Returns the updated tuple."""
+    2- or 4-tuple as above; page_size None: pages of one token a row), quantizing them for
+    the pages' dtype; negative slots are not written. Returns the updated tuple."""
     k_pages, v_pages = layer_cache[:2]
+    page_size = k_pages.shape[1] if page_size is None else page_size
     k_codes, k_scale = quantize_tokens(k_new, k_pages.dtype)
     v_codes, v_scale = quantize_tokens(v_new, v_pages.dtype)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_codes, v_codes, slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_codes, v_codes, slot_mapping, page_size)
     if len(layer_cache) == 2:
         return k_pages, v_pages
     k_scales, v_scales = layer_cache[2:]
-    num_pages, page_size = k_pages.shape[:2]
+    num_pages = k_pages.shape[0]
     num_kv_heads = k_new.shape[1]
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)[:, None]  # [T, 1]
     column = (jnp.arange(num_kv_heads) * page_size

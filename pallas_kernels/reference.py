@@ -4,8 +4,8 @@ Same signatures and semantics as the public kernels (minus backend selection).
 They gather each sequence's pages into a contiguous K/V, build the causal /
 sliding-window / length mask explicitly and take a float32 softmax, trading
 memory (O(tokens x context)) for obviousness. Rows that attend to no key
-(kv_len 0, padding tokens, padding sequences) come out as zeros. Pages `[N, page_size,
-Hkv * D]` are viewed as `[N, page_size, Hkv, D]` and quantized ones (`kv_quant`) are
+(kv_len 0, padding tokens, padding sequences) come out as zeros. Pages `[N, page_size / f,
+f * Hkv * D]` are viewed as `[N, page_size, Hkv, D]` and quantized ones (`kv_quant`) are
 dequantized whole, to q's dtype, before anything else: the kernels
 dequantize each tile they load with the same rounding.
 """
@@ -53,24 +53,25 @@ def _gather_seq(pages, page_indices):
     )
 
 
-def _dequantize(q, k_pages, v_pages, k_scales, v_scales):
-    """The page pools `[N, page_size, Hkv * D]` as q.dtype values `[N, page_size, Hkv, D]`
-    (`kv_quant.dequantize_pages`); pages in q's dtype as they are."""
+def _dequantize(q, k_pages, v_pages, k_scales, v_scales, page_size):
+    """The page pools `[N, page_size / f, f * Hkv * D]` as q.dtype values `[N, page_size,
+    Hkv, D]` (`kv_quant.dequantize_pages`); pages in q's dtype as they are."""
     head_dim = q.shape[-1]
-    return (kv_quant.dequantize_pages(k_pages, head_dim, k_scales, q.dtype),
-            kv_quant.dequantize_pages(v_pages, head_dim, v_scales, q.dtype))
+    return (kv_quant.dequantize_pages(k_pages, head_dim, k_scales, q.dtype, page_size),
+            kv_quant.dequantize_pages(v_pages, head_dim, v_scales, q.dtype, page_size))
 
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, interpret=None, k_scales=None,
-                    v_scales=None):
+                    v_scales=None, page_size=None):
     """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored. k_scales,
     v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
-                                   kernel_limits=False, k_scales=k_scales, v_scales=v_scales)
+                                   kernel_limits=False, k_scales=k_scales, v_scales=v_scales,
+                                   page_size=page_size)
     validation.check_options(sm_scale, soft_cap, sliding_window)
-    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales)
+    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales, dims.page_size)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     k = _gather_seq(k_pages, page_indices)  # [B, L, Hkv, D]
     v = _gather_seq(v_pages, page_indices)  # [B, L, Hkv, D]
@@ -80,15 +81,16 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                            num_seqs, *, sm_scale=None, soft_cap=None,
-                           sliding_window=None, interpret=None, k_scales=None, v_scales=None):
+                           sliding_window=None, interpret=None, k_scales=None, v_scales=None,
+                           page_size=None):
     """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored.
     k_scales, v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_ragged(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False,
-        k_scales=k_scales, v_scales=v_scales)
+        k_scales=k_scales, v_scales=v_scales, page_size=page_size)
     validation.check_options(sm_scale, soft_cap, sliding_window)
-    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales)
+    k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales, dims.page_size)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     num_tokens = q.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
@@ -104,20 +106,23 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     return out.astype(q.dtype)
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, page_size=None):
     """Reference KV write: token t goes to flat slot slot_mapping[t]; slots < 0 are skipped.
 
-    k_pages, v_pages [N, page_size, Hkv * D]; k_new, v_new [T, Hkv, D];
-    slot_mapping int32[T]. Returns the updated (k_pages, v_pages).
+    k_pages, v_pages [N, page_size / f, f * Hkv * D] (page_size None: f = 1); k_new, v_new
+    [T, Hkv, D]; slot_mapping int32[T]. Returns the updated (k_pages, v_pages).
     """
-    num_pages, page_size, row = k_pages.shape
-    k_flat = jnp.asarray(k_pages).reshape(num_pages * page_size, row)  # [N*page_size, Hkv*D]
-    v_flat = jnp.asarray(v_pages).reshape(num_pages * page_size, row)  # [N*page_size, Hkv*D]
-    for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        keep = slot >= 0
-        idx = jnp.maximum(slot, 0)
-        k_row, v_row = k_new[t].reshape(row), v_new[t].reshape(row)  # [Hkv * D]
-        k_flat = k_flat.at[idx].set(jnp.where(keep, k_row.astype(k_flat.dtype), k_flat[idx]))
-        v_flat = v_flat.at[idx].set(jnp.where(keep, v_row.astype(v_flat.dtype), v_flat[idx]))
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    num_pages, rows, width = k_pages.shape
+    page_size = rows if page_size is None else page_size
+    head_dim = k_new.shape[-1]
+
+    def write(pages, new):
+        by_token = kv_quant.page_heads(jnp.asarray(pages), head_dim, page_size)
+        flat = by_token.reshape(num_pages * page_size, *by_token.shape[2:])  # [N*ps, Hkv, D]
+        for t in range(slot_mapping.shape[0]):
+            slot = slot_mapping[t]
+            idx = jnp.maximum(slot, 0)
+            flat = flat.at[idx].set(jnp.where(slot >= 0, new[t].astype(flat.dtype), flat[idx]))
+        return kv_quant.fold_heads(flat.reshape(by_token.shape), page_size // rows)
+
+    return write(k_pages, k_new), write(v_pages, v_new)

@@ -4,6 +4,10 @@ online softmax (float32 running max, sum and weighted sum in VMEM scratch).
 A copied K/V block is `[pages_per_block, page_size, Hkv * D]`: a page's rows with the kv
 heads side by side (`kv_quant`), so head h is the static lane slice `[h * D, (h + 1) * D)`
 (for head_dim 64, half of a 128-lane row: sliced in VMEM, with no copy of the pool in HBM).
+Where f tokens share a row (`kv_quant.tokens_per_row`: one kv head of 64 per device), a block
+is `[pages_per_block, page_size / f, f * Hkv * D]` and head h's page is its f lane slices
+`[(h * f + j) * D, (h * f + j + 1) * D)` stacked along sublanes: row r of part j is token
+`j * page_size / f + r`, so the stack is the page's keys in order.
 
 Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
 its scales and rounded to q's dtype; an fp8 tile is cast to q's dtype. A copied scale block
@@ -19,12 +23,16 @@ import jax.numpy as jnp
 from pallas_kernels.reference import MASK_VALUE
 
 
-def _tile(buf, scale_buf, slot, h, head_dim, dtype):
-    """Head h's keys of block `slot` of buf [2, pages_per_block, page_size, Hkv * D] (its
-    lanes [h * D, (h + 1) * D)) as [KB, D] in dtype, int8 codes times their scales from
-    scale_buf [2, pages_per_block, Hkv * page_size] float32 (None: no scales, a plain cast)."""
-    pages_per_block, page_size = buf.shape[1:3]
-    tile = buf[slot, :, :, h * head_dim:(h + 1) * head_dim]  # [ppb, ps, D]
+def _tile(buf, scale_buf, slot, h, head_dim, fold, dtype):
+    """Head h's keys of block `slot` of buf [2, pages_per_block, page_size / fold, fold * Hkv
+    * D] (its lanes [(h * fold + j) * D, (h * fold + j + 1) * D) for the fold parts j,
+    stacked) as [KB, D] in dtype, int8 codes times their scales from scale_buf [2,
+    pages_per_block, Hkv * page_size] float32 (None: no scales, a plain cast)."""
+    pages_per_block, rows = buf.shape[1:3]
+    page_size = rows * fold
+    parts = [buf[slot, :, :, (h * fold + j) * head_dim:(h * fold + j + 1) * head_dim]
+             for j in range(fold)]  # fold x [ppb, ps / fold, D]
+    tile = parts[0] if fold == 1 else jnp.concatenate(parts, axis=1)  # [ppb, ps, D]
     if scale_buf is None:
         return tile.reshape(pages_per_block * page_size, -1).astype(dtype)  # [KB, D]
     columns = scale_buf[slot, :, h * page_size:(h + 1) * page_size].T  # [ps, ppb]
@@ -37,16 +45,17 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
                  sm_scale, soft_cap, k_scale_buf=None, v_scale_buf=None):
     """Folds K/V block `slot` into the running softmax of every kv head.
 
-    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size, Hkv * D] in q's dtype,
-    int8 or float8_e4m3fn; k_scale_buf, v_scale_buf [2, pages_per_block, Hkv * page_size]
+    q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size / f, f * Hkv * D] in q's
+    dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf [2, pages_per_block, Hkv * page_size]
     float32 for int8 pages; mask [R or 1, KB] the keys each row sees; key_valid [KB, 1] keys
     in range (V rows outside it are zeroed: stale VMEM may hold anything); m_ref, l_ref
     [Hkv, R, 1], acc_ref [Hkv, R, D] float32.
     """
     num_kv_heads, _, head_dim = q_ref.shape
+    fold = k_buf.shape[-1] // (num_kv_heads * head_dim)  # tokens per page row
     for h in range(num_kv_heads):
-        k = _tile(k_buf, k_scale_buf, slot, h, head_dim, q_ref.dtype)  # [KB, D]
-        v = _tile(v_buf, v_scale_buf, slot, h, head_dim, q_ref.dtype)  # [KB, D]
+        k = _tile(k_buf, k_scale_buf, slot, h, head_dim, fold, q_ref.dtype)  # [KB, D]
+        v = _tile(v_buf, v_scale_buf, slot, h, head_dim, fold, q_ref.dtype)  # [KB, D]
         v = jnp.where(key_valid, v, jnp.zeros_like(v))
         scores = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale  # [R, KB]

@@ -42,13 +42,15 @@ How this follows and departs from tpu-inference's ragged paged attention v3 (RPA
   RPA v3 fuses K and V of a page and packs heads along sublanes. Either way a page row is
   lane-dense: a copied block is `[pages_per_block, page_size, Hkv * D]`, one (8, 128)-tiled
   slab per page, and head h is the static lane slice `[h * D, (h + 1) * D)`; no sublane
-  padding of a `(Hkv, D)` tile, no strided head loads. Measured in full compiles
-  (tests/kernels/test_pallas_compile.py): head_dim 64 with 2 or more kv heads and head_dim
-  128 with any count need no copy of the cache (the former `[N, page_size, Hkv, D]` pools
-  were laid out pages-minor for head_dim 64 and copied whole on every call). Not covered:
-  rows that are not a multiple of 128 lanes, i.e. one kv head of 64 per device (e.g. a model
-  with 2 kv heads of 64 at tp=2) or 3, 5, 7 heads of 64: XLA lays them out pages-minor and
-  copies them (RPA v3 pads head_dim to 128 and fuses K/V; padding the row would do here).
+  padding of a `(Hkv, D)` tile, no strided head loads. Where a device's heads fill less than
+  128 lanes (one kv head of 64, e.g. a model with 2 kv heads of 64 at tp=2; or 3 heads of
+  64), f tokens share a row (`kv_quant.tokens_per_row`): the block is `[pages_per_block,
+  page_size / f, f * Hkv * D]` and a head's page is its f lane slices stacked. RPA v3 pads
+  head_dim 64 to 128 instead (and fuses K/V), which doubles such a cache; folding pads
+  nothing. Measured in full compiles (tests/kernels/test_pallas_compile.py): every head
+  count of head_dim 64 and 128 needs no copy of the cache (the former `[N, page_size, Hkv,
+  D]` pools were laid out pages-minor for head_dim 64 and copied whole on every call, and
+  one-token rows of 64 or 192 values still are).
 """
 
 import functools
@@ -182,13 +184,14 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "pages_per_block", "interpret"),
+    static_argnames=("sm_scale", "soft_cap", "pages_per_block", "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
-              interpret=False):
-    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
-    dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn).
+              interpret=False, page_size=None):
+    """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size / f, f * Hkv * D]
+    (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn;
+    page_size None: the pages' rows, f = 1).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
@@ -197,7 +200,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     a `pltpu.InterpretParams`.
     """
     batch, num_kv_heads, group, head_dim = q.shape
-    page_size = k_pages.shape[1]
+    page_size = page_size or k_pages.shape[1]
     pages_per_seq = page_indices.shape[1]
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,

@@ -122,14 +122,14 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "pages_per_block",
-                     "interpret"),
+                     "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
-              pages_per_block=None, interpret=False):
+              pages_per_block=None, interpret=False, page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
-    float32, or float8_e4m3fn).
+    [N, page_size / f, f * Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv *
+    page_size] float32, or float8_e4m3fn; page_size None: the pages' rows, f = 1).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
@@ -137,8 +137,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     no chunk come out as zeros. Returns [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    page_size = k_pages.shape[1]
-    num_kv_heads = k_pages.shape[2] // head_dim
+    page_size = page_size or k_pages.shape[1]
+    num_kv_heads = k_pages.shape[2] * k_pages.shape[1] // (page_size * head_dim)
     group = num_q_heads // num_kv_heads
     pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK

@@ -56,10 +56,11 @@ def check_options(sm_scale, soft_cap, sliding_window):
 
 
 def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scales=None,
-                v_scales=None) -> Dims:
-    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size, Hkv * D] (`kv_quant.page_shape`:
-    head_dim is q's, Hkv follows from the pages' rows), page_indices [S, P], and the scales
-    of int8 pages (`check_scales`).
+                v_scales=None, page_size=None) -> Dims:
+    """Checks q [*, Hq, D], k_pages/v_pages [N, page_size / f, f * Hkv * D]
+    (`kv_quant.page_shape`: head_dim is q's, f = page_size / the pages' rows (page_size None:
+    f = 1), Hkv follows from the rows), page_indices [S, P], and the scales of int8 pages
+    (`check_scales`).
 
     kernel_limits=False skips the head_dim / page_size limits of the Pallas kernels (the
     jnp references take any size).
@@ -81,14 +82,20 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
                              "int8 or float8_e4m3fn")
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages dtype {v_pages.dtype} != k_pages dtype {k_pages.dtype}")
-    num_pages, page_size, row = k_pages.shape
+    num_pages, rows, width = k_pages.shape
+    page_size = rows if page_size is None else page_size
+    if page_size < rows or page_size % rows:
+        raise ValueError(f"page_size {page_size} is not a whole number of k_pages' {rows} "
+                         "rows per page (pages are [N, page_size / f, f * num_kv_heads * "
+                         "head_dim], f tokens to a row)")
+    fold = page_size // rows
     num_q_heads, head_dim = q.shape[1:]
-    if row % head_dim:
-        raise ValueError(f"k_pages rows hold {row} values, not a whole number of q's heads of "
-                         f"head_dim {head_dim} (pages are [N, page_size, num_kv_heads * "
-                         "head_dim])")
-    num_kv_heads = row // head_dim
-    check_scales(k_pages, k_scales, v_scales, num_kv_heads)
+    if width % (fold * head_dim):
+        raise ValueError(f"k_pages rows hold {width} values, not {fold} token(s) of whole "
+                         f"heads of q's head_dim {head_dim} (pages are [N, page_size / f, "
+                         "f * num_kv_heads * head_dim])")
+    num_kv_heads = width // (fold * head_dim)
+    check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size)
     if kernel_limits and head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if kernel_limits and page_size not in SUPPORTED_PAGE_SIZES:
@@ -103,7 +110,7 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
 
 
-def check_scales(k_pages, k_scales, v_scales, num_kv_heads):
+def check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size):
     """int8 pages need both scale pools, float32 [N, Hkv * page_size] (`kv_quant`); pages of
     any other dtype take none (a scale given for them would be silently ignored)."""
     given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales))
@@ -116,8 +123,7 @@ def check_scales(k_pages, k_scales, v_scales, num_kv_heads):
     if len(given) < 2:
         raise ValueError("int8 pages need k_scales and v_scales (float32 "
                          "[num_pages, num_kv_heads * page_size])")
-    num_pages, page_size = k_pages.shape[:2]
-    want = kv_quant.scale_pool_shape(num_pages, page_size, num_kv_heads)
+    want = kv_quant.scale_pool_shape(k_pages.shape[0], page_size, num_kv_heads)
     for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
         if x.dtype != jnp.float32 or x.shape != want:
             raise ValueError(f"{name} must be float32{list(want)} like the pages, got "
@@ -137,9 +143,9 @@ def check_table_covers(kv_lens, dims: Dims):
 
 
 def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True, *,
-                 k_scales=None, v_scales=None) -> Dims:
+                 k_scales=None, v_scales=None, page_size=None) -> Dims:
     dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
-                       v_scales=v_scales)
+                       v_scales=v_scales, page_size=page_size)
     _check_int32("kv_lens", kv_lens, 1)
     batch = q.shape[0]
     if kv_lens.shape[0] != batch:
@@ -150,9 +156,10 @@ def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True,
 
 
 def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                 kernel_limits=True, *, k_scales=None, v_scales=None) -> Dims:
+                 kernel_limits=True, *, k_scales=None, v_scales=None,
+                 page_size=None) -> Dims:
     dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
-                       v_scales=v_scales)
+                       v_scales=v_scales, page_size=page_size)
     _check_int32("kv_lens", kv_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
     _check_int32("num_seqs", num_seqs, 1)

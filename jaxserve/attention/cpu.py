@@ -41,9 +41,10 @@ class CpuBackend(AttentionBackend):
                                   self.page_size, self.sliding_window)
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        layer_cache = _write(layer_cache, k, v, slots)
+        layer_cache = _write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
-        k_heads, v_heads = (kv_quant.page_heads(x, q.shape[-1]) for x in (k_pages, v_pages))
+        k_heads, v_heads = (kv_quant.page_heads(x, q.shape[-1], self.page_size)
+                            for x in (k_pages, v_pages))
         k_pool = cpu_step.PagePool(k_heads, scales[0] if scales else None)
         v_pool = cpu_step.PagePool(v_heads, scales[1] if scales else None)
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
@@ -52,16 +53,16 @@ class CpuBackend(AttentionBackend):
         return out, layer_cache
 
 
-def _write(layer_cache, k, v, slots):
+def _write(layer_cache, k, v, slots, page_size):
     """`kv_quant.write`, except that fp8 codes are scattered as bytes (free bitcasts): XLA:CPU
     has no fp8 scatter and widens the whole pool for one (batch-1 decode of the shipped model
     ran at 43 tokens/s instead of about 1,300)."""
     fp8 = kv_quant.KV_CACHE_DTYPES["fp8"]
     if layer_cache[0].dtype != fp8:
-        return kv_quant.write(layer_cache, k, v, slots)
+        return kv_quant.write(layer_cache, k, v, slots, page_size)
     as_bytes = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
     k_codes, v_codes = (kv_quant.quantize_tokens(x, fp8)[0] for x in (k, v))
-    pages = write_kv(*map(as_bytes, (*layer_cache, k_codes, v_codes)), slots)
+    pages = write_kv(*map(as_bytes, (*layer_cache, k_codes, v_codes)), slots, page_size)
     return tuple(jax.lax.bitcast_convert_type(x, fp8) for x in pages)
 
 

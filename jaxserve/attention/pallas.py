@@ -4,7 +4,9 @@ slow but exact). The decode loop's steps (`PagedBatch.decode_only`) go straight 
 kernel (`paged_attention`); other steps to `ragged_paged_attention`, which itself sends their
 one-token rows to the decode kernel. The kernels read the pages in place, so the decode loop
 carries nothing but the cache and stacked layers need only the page offsets. Quantized
-pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels."""
+pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels.
+The pages' rows may hold several tokens (TPU, `kv_quant.tokens_per_row`), so the write and
+the kernels are told the page size."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ class PallasBackend(AttentionBackend):
     name: ClassVar[str] = "pallas"
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
-        scaled = dict(zip(("k_scales", "v_scales"), scales))  # int8 pages only
+        scaled = dict(zip(("k_scales", "v_scales"), scales),  # int8 pages only
+                      page_size=self.page_size)
         if batch.decode_only:
             out = pallas_kernels.paged_attention(
                 q, k_pages, v_pages, batch.kv_lens, page_indices,

@@ -19,10 +19,10 @@ class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "reference"
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
-        layer_cache = kv_quant.write(layer_cache, k, v, slots)
+        layer_cache = kv_quant.write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
         out = pallas_kernels.reference.ragged_paged_attention(
             q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens, batch.num_seqs,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, page_size=self.page_size,
             **dict(zip(("k_scales", "v_scales"), scales)))  # int8 pages only
         return out, layer_cache

@@ -1,6 +1,8 @@
 """The paged KV cache: per layer `(k_pages, v_pages)`, each
 `[num_pages, page_size, num_kv_heads * head_dim]` (the kernels' contract, heads packed along
-the last axis: `pallas_kernels.kv_quant.page_shape`), or with stacked
+the last axis: `pallas_kernels.kv_quant.page_shape`; on TPU, where a device's heads fill less
+than a 128-lane row, f tokens to a row: `[num_pages, page_size / f, f * num_kv_heads *
+head_dim]`, `kv_quant.tokens_per_row`), or with stacked
 layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
@@ -24,7 +26,8 @@ from jax.sharding import Mesh
 import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.model.config import ModelConfig
-from pallas_kernels.kv_quant import has_head_scales, has_scales, page_shape, scale_pool_shape
+from pallas_kernels.kv_quant import (has_head_scales, has_scales, page_shape, scale_pool_shape,
+                                     tokens_per_row)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
@@ -71,16 +74,21 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
 
 
 def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                    scan_layers: bool, mesh: Mesh | None = None):
+                    scan_layers: bool, mesh: Mesh | None = None, platform: str | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
     `[num_pages, page_size, Hkv * D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
     `[num_layers * num_pages, page_size, Hkv * D]`, layer l's pages at
     `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
     offsets each layer's page ids). int8 pages add their scale pools `[pages, Hkv *
     page_size]`, split on kv heads like the pages on `mesh` (None: no shardings); fp8 pages
-    their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device."""
+    their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device.
+    `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
+    many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU)."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
-    shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim)
+    fold = tokens_per_row(page_size, model.num_kv_heads, model.head_dim,
+                          1 if mesh is None else sharding.tensor_parallel_size(mesh),
+                          platform or jax.default_backend())
+    shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim, fold)
 
     def struct(shape, dtype, place):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else place(mesh))
@@ -100,11 +108,12 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
                       mesh: Mesh | None = None, scan_layers: bool = False,
-                      calculate_kv_scales: bool = False):
+                      calculate_kv_scales: bool = False, platform: str | None = None):
     """Caches laid out and placed as `cache_structure` says (no mesh: on the default device):
     zeroed pages and scale pools; fp8 scales per kv head 1, or 0 (calibrated by the first step
     that writes real tokens, `kv_quant.calibrate`) with `calculate_kv_scales`."""
-    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, mesh)
+    structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, mesh,
+                                platform)
     head_scale = 0.0 if calculate_kv_scales else 1.0
 
     def filled(leaf):

@@ -97,11 +97,11 @@ class Runner:
                                       platform)
         if abstract:
             self.caches = cache_structure(model.config, num_pages, config.page_size,
-                                          cache_dtype, model.scan_layers, mesh)
+                                          cache_dtype, model.scan_layers, mesh, platform)
         else:
             self._allocate_caches = functools.partial(
                 allocate_kv_cache, model.config, num_pages, config.page_size, cache_dtype,
-                mesh, model.scan_layers, config.calculate_kv_scales)
+                mesh, model.scan_layers, config.calculate_kv_scales, platform)
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
 from jaxserve.aot.plan import pool_copies
+from pallas_kernels import kv_quant
 from jaxserve.aot.targets import Target, compile_only_devices
 
 TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "a100-80g", 1),
@@ -95,6 +96,40 @@ def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, 
     cache_bytes = 2 * num_pages * 16 * hkv * d * 2
     assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
     assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout
+
+
+# Rows under 128 lanes on TPU (one kv head of 64 per device; 3 heads of 64): stored one token a
+# row, XLA lays the pool out pages-minor and copies it on every call; two tokens a row
+# (`kv_quant.tokens_per_row`) make the row lane-dense and the kernels read it in place.
+FOLD_CASES = [  # (generation, page dtype, Hq, Hkv, page_size)
+    ("v6e", jnp.bfloat16, 4, 1, 64),
+    ("v5e", jnp.bfloat16, 4, 1, 16),
+    ("v5e", jnp.bfloat16, 6, 3, 64),
+    ("v6e", jnp.int8, 4, 1, 64),
+]
+
+
+@pytest.mark.parametrize("generation,dtype,hq,hkv,page_size", FOLD_CASES,
+                         ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-hkv{c[3]}-ps{c[4]}"
+                              for c in FOLD_CASES])
+def test_folded_rows_compile_without_copying_the_cache(generation, dtype, hq, hkv, page_size):
+    target = Target("tpu", generation, 1)
+    sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    d, q_dtype = 64, jnp.bfloat16
+    scales = [s((QUANT_PAGES, hkv * page_size), jnp.float32)] * 2 if dtype == jnp.int8 else []
+    copies = {}
+    for fold in (1, kv_quant.tokens_per_row(page_size, hkv, d)):
+        pages = s(kv_quant.page_shape(QUANT_PAGES, page_size, hkv, d, fold), dtype)
+        compiled = _compile(
+            lambda q, k, v, lens, t, cu, n, *x: pk.ragged_paged_attention(
+                q, k, v, lens, t, cu, n, page_size=page_size,
+                **dict(zip(("k_scales", "v_scales"), x))),
+            target, s((TOKENS, hq, d), q_dtype), pages, pages, s((NUM_SEQS,), jnp.int32),
+            s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32), s((NUM_SEQS + 1,), jnp.int32),
+            s((1,), jnp.int32), *scales)
+        copies[fold] = pool_copies(compiled.as_text(), [pages.shape])
+    assert copies == {1: 2, 2: 0}  # K and V copied one token a row; neither folded
 
 
 # Quantized pages at engine-like shapes: bfloat16 q, head_dim 128, pages of 64 on TPU (8 kv

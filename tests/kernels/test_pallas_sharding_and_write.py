@@ -61,7 +61,7 @@ def good_args(hq=4, hkv=2, d=64, ps=16, dtype=jnp.float32):
 @pytest.mark.parametrize("change,message", [
     (lambda a: good_args(hq=12, hkv=5), r"num_q_heads \(12\) must be a multiple of num_kv_heads \(5\)"),
     (lambda a: good_args(d=96), "head_dim 96 not supported"),
-    (lambda a: [a[0][..., :48]] + a[1:], "not a whole number of q's heads of head_dim 48"),
+    (lambda a: [a[0][..., :48]] + a[1:], "not 1 token.s. of whole heads of q's head_dim 48"),
     (lambda a: good_args(ps=8), "page_size 8 not supported"),
     (lambda a: good_args(dtype=jnp.float16), "q dtype float16 not supported"),
     (lambda a: a[:4] + [a[4].astype(jnp.int64 if jax.config.x64_enabled else jnp.uint32)],
@@ -72,6 +72,16 @@ def good_args(hq=4, hkv=2, d=64, ps=16, dtype=jnp.float32):
 def test_invalid_arguments_raise(change, message):
     with pytest.raises(ValueError, match=message):
         pk.paged_attention(*change(good_args()))
+
+
+def test_a_page_size_that_is_not_whole_rows_raises():
+    """page_size says how many tokens a page holds; its rows must hold a whole number each
+    (`kv_quant.tokens_per_row`)."""
+    q, kv, _, kv_lens, table = good_args()
+    with pytest.raises(ValueError, match="page_size 24 is not a whole number of k_pages' 16"):
+        pk.paged_attention(q, kv, kv, kv_lens, table, page_size=24)
+    with pytest.raises(ValueError, match="not 2 token.s. of whole heads"):
+        pk.paged_attention(q, kv[:, :8, :64], kv[:, :8, :64], kv_lens, table, page_size=16)
 
 
 def test_invalid_ragged_and_options_raise():
