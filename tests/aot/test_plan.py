@@ -193,13 +193,13 @@ def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accele
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
 
 
-@pytest.mark.parametrize("kv_heads,devices", [(2, 1), (1, 1), (2, 2)])
+@pytest.mark.parametrize("kv_heads,devices", [(2, 1), (1, 1), (4, 4)])
 def test_a_plan_reads_the_page_pool_in_place_with_head_dim_64(tmp_path, kv_heads, devices):
     """head_dim 64 on TPU: two kv heads per device make a 128-lane page row, which XLA keeps
     row-major and the kernels read in place. One kv head's 64 values were laid out
     pages-minor and copied into the kernels' layout on every call (this plan failed naming
     the copy); its pages now hold two tokens a row (`kv_quant.tokens_per_row`), 128 lanes,
-    and no program copies the pool; so do two heads split over two devices. (Sized from all
+    and no program copies the pool; so do four heads split over four devices. (Sized from all
     of the HBM, the copies did not even fit. 4000 pages keep the compile small.)"""
     folder = tmp_path / "model"
     folder.mkdir()
