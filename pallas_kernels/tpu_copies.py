@@ -23,14 +23,19 @@ from jax.experimental.pallas import tpu as pltpu
 ROW_CHUNK = 128  # table entries per copy (512 bytes)
 TARGET_BLOCK_KEYS = 512  # keys per copy block: large copies amortise the DMA issue cost
 LANES = 128  # a VMEM row: a page's float32 scale row is padded to whole 128 lanes
+SUBLANES = 8  # a VMEM tile's rows of 32-bit values (16 of bf16, 32 of int8 and fp8)
 
 
-def pages_per_block(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq,
-                    buffer_bytes, scaled=False):
+def pages_per_block(page_rows, row_width, page_size, itemsize, pages_per_seq, buffer_bytes,
+                    scaled=False):
     """Pages per copy block: TARGET_BLOCK_KEYS keys, fewer if K and V's two slots (with
     their scale pages when `scaled`) would exceed buffer_bytes of VMEM, never more than a
-    sequence's table holds. itemsize: the pages' (1 for int8 and fp8)."""
-    page_bytes = page_size * num_kv_heads * head_dim * itemsize
+    sequence's table holds. A page is stored `[page_rows, row_width]` (`kv_quant.page_shape`)
+    and takes whole (sublanes, 128)-tiles of VMEM; itemsize: the pages' (1 for int8 and
+    fp8)."""
+    sublanes = SUBLANES * max(1, 4 // itemsize)
+    page_bytes = (pl.cdiv(page_rows, sublanes) * sublanes * pl.cdiv(row_width, LANES) * LANES
+                  * itemsize)
     if scaled:
         page_bytes += 4 * LANES * pl.cdiv(num_kv_heads * page_size, LANES)
     by_memory = buffer_bytes // (4 * page_bytes)

@@ -203,7 +203,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     page_size = page_size or k_pages.shape[1]
     pages_per_seq = page_indices.shape[1]
     if pages_per_block is None:
-        pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
+        pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
                                                      k_pages.dtype.itemsize, pages_per_seq,
                                                      KV_BUFFER_BYTES, k_scales is not None)
     steps = pl.cdiv(batch, NUM_CORES)

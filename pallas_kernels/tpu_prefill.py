@@ -143,7 +143,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK
     if pages_per_block is None:
-        pages_per_block = tpu_copies.pages_per_block(page_size, num_kv_heads, head_dim,
+        pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
                                                      k_pages.dtype.itemsize, pages_per_seq,
                                                      KV_BUFFER_BYTES, k_scales is not None)
     num_tiles = pl.cdiv(num_tokens, q_block)

@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels import kv_quant, reference
+from pallas_kernels import kv_quant, reference, tpu_copies
 
 PAGE_TABLE = np.array([[3, 1, 4, -1], [5, 9, 2, 6], [-1, 99, -1, -1]], np.int32)  # [S, P]
 NUM_PAGES = 10
@@ -150,3 +150,15 @@ def test_tokens_per_row():
     assert kv_quant.tokens_per_row(64, 1, 64, platform="gpu") == 1
     assert kv_quant.tokens_per_row(2, 1, 32) == 1  # would need 4 tokens a row
     assert kv_quant.page_shape(10, 64, 1, 64, fold=2) == (10, 32, 128)
+
+
+def test_copy_blocks_count_the_vmem_tiles_a_page_takes():
+    """Hand-counted: a bfloat16 VMEM tile is 16 rows x 128 lanes (4 KiB). Pages of 16 tokens
+    folded to [8, 128] still take one whole tile each (8 rows of padding), as do one-token
+    rows of 64 values ([16, 64]: 64 lanes of padding), so a 64 KiB budget for K and V's two
+    slots holds blocks of 64 KiB / (4 x 4 KiB) = 4 pages; [16, 256] pages take two tiles."""
+    budget, wide_table = 64 << 10, 100
+    assert tpu_copies.pages_per_block(8, 128, 16, 2, wide_table, budget) == 4
+    assert tpu_copies.pages_per_block(16, 64, 16, 2, wide_table, budget) == 4
+    assert tpu_copies.pages_per_block(16, 256, 16, 2, wide_table, budget) == 2
+    assert tpu_copies.pages_per_block(8, 128, 16, 2, 3, budget) == 3  # the table's width
