@@ -27,17 +27,16 @@ SUBLANES = 8  # a VMEM tile's rows of 32-bit values (16 of bf16, 32 of int8 and 
 
 
 def pages_per_block(page_rows, row_width, page_size, itemsize, pages_per_seq, buffer_bytes,
-                    scaled=False):
+                    scale_row=0):
     """Pages per copy block: TARGET_BLOCK_KEYS keys, fewer if K and V's two slots (with
-    their scale pages when `scaled`) would exceed buffer_bytes of VMEM, never more than a
-    sequence's table holds. A page is stored `[page_rows, row_width]` (`kv_quant.page_shape`)
-    and takes whole (sublanes, 128)-tiles of VMEM; itemsize: the pages' (1 for int8 and
-    fp8)."""
+    their pages' rows of `scale_row` float32 scales, int8 pages) would exceed buffer_bytes of
+    VMEM, never more than a sequence's table holds. A page is stored `[page_rows,
+    row_width]` (`kv_quant.page_shape`) and takes whole (sublanes, 128)-tiles of VMEM;
+    itemsize: the pages' (1 for int8 and fp8)."""
     sublanes = SUBLANES * max(1, 4 // itemsize)
     page_bytes = (pl.cdiv(page_rows, sublanes) * sublanes * pl.cdiv(row_width, LANES) * LANES
                   * itemsize)
-    if scaled:
-        page_bytes += 4 * LANES * pl.cdiv(num_kv_heads * page_size, LANES)
+    page_bytes += 4 * LANES * pl.cdiv(scale_row, LANES)
     by_memory = buffer_bytes // (4 * page_bytes)
     return max(1, min(pages_per_seq, TARGET_BLOCK_KEYS // page_size, by_memory))
 

@@ -205,7 +205,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
                                                      k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES, k_scales is not None)
+                                                     KV_BUFFER_BYTES,
+                                                     0 if k_scales is None else k_scales.shape[1])
     steps = pl.cdiv(batch, NUM_CORES)
     pad = steps * NUM_CORES - batch  # padding sequences: no keys, no pages
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))  # [B', Hkv, G, D]

@@ -145,7 +145,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     if pages_per_block is None:
         pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
                                                      k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES, k_scales is not None)
+                                                     KV_BUFFER_BYTES,
+                                                     0 if k_scales is None else k_scales.shape[1])
     num_tiles = pl.cdiv(num_tokens, q_block)
     padded = num_tiles * q_block
     rows = q_block * group
