@@ -10,11 +10,11 @@ Public API:
 KV cache per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads * head_dim] (a
 token's kv heads packed along the last axis, lane-dense on TPU: `kv_quant.page_shape`; on TPU
 f tokens may share a row, [num_pages, page_size / f, f * num_kv_heads * head_dim], and the
-kernels then take `page_size=`: `kv_quant.tokens_per_row`), in
-q's dtype or quantized (`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales
-[num_pages, num_kv_heads * page_size] float32. head_dim is q's. Every kernel reads the
-stored bytes and dequantizes each K/V tile it loads (codes * scale, rounded to q's dtype, as
-the reference).
+kernels then take `page_size=`: `kv_quant.tokens_per_row`), in q's dtype or quantized
+(`kv_quant`): float8_e4m3fn, or int8 with k_scales, v_scales [num_pages, num_kv_heads * S]
+float32 (each head's run S >= page_size floats: `kv_quant.scale_stride`). head_dim is q's.
+Every kernel reads the stored bytes and dequantizes each K/V tile it loads (codes * scale,
+rounded to q's dtype, as the reference).
 
 Two kernels per platform: a decode kernel (`tpu_decode`, `gpu_decode`: one query token per
 sequence, the G query heads of a kv head as one block) and a prefill kernel
@@ -121,7 +121,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
 
     q [B, Hq, D]; k_pages, v_pages [N, page_size / f, f * Hkv * D] in q's dtype, int8 or
     float8_e4m3fn (page_size None: the pages' rows, f = 1; `kv_quant.tokens_per_row`);
-    k_scales, v_scales [N, Hkv * page_size] float32 for int8 pages only;
+    k_scales, v_scales [N, Hkv * S] float32 for int8 pages only;
     kv_lens int32[B]; page_indices int32[B, P]. Returns [B, Hq, D] in q's dtype (float32
     softmax).
     sm_scale defaults to 1/sqrt(D); soft_cap: logits = c * tanh(logits / c);

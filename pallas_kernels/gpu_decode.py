@@ -62,7 +62,7 @@ def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
 def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_size, splits,
             min_split_pages, scaled, sm_scale, soft_cap, precision):
     # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. refs: the scales
-    # ks_ref, vs_ref [N, Hkv * page_size] float32 (int8 pages only), then the outputs: o
+    # ks_ref, vs_ref [N, Hkv * S] float32 (int8 pages only), then the outputs: o
     # [G', D] (splits 1), or the partials acc [G', D], m [G'], l [G'] (float32).
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     out_refs = refs[2:] if scaled else refs
@@ -80,7 +80,8 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
     def body(slot, carry):
         m, l, acc = carry  # [G'], [G'], [G', D]
         page = pt_ref[seq, slot]  # one id per page
-        scale_cols = pl.ds(head * page_size, page_size)  # the head's run in the page's row
+        stride = ks_ref.shape[1] // k_ref.shape[2] if scaled else 0  # S: a head's run
+        scale_cols = pl.ds(head * stride, page_size)  # the head's run in the page's row
         k_scale = ks_ref[page, scale_cols] if scaled else None  # [ps]
         v_scale = vs_ref[page, scale_cols] if scaled else None  # [ps]
         k = gpu_dequant.dequantize(k_ref[page, :, head, :], k_scale, q.dtype)  # [ps, D]
@@ -127,7 +128,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False,
               page_size=None):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
-    dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn;
+    dtype, int8 with k_scales, v_scales [N, Hkv * S] float32, or float8_e4m3fn;
     TPU's folded rows, `kv_quant.tokens_per_row`, are unfolded first: a copy).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any

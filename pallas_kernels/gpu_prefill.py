@@ -66,11 +66,11 @@ def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages:
 
 
 def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, k_ref,
-            v_ref, *refs, q_block, group, page_size, block_keys, scaled, sm_scale, soft_cap,
-            sliding_window, precision):
+            v_ref, *refs, q_block, group, page_size, block_keys, scaled, scale_stride,
+            sm_scale, soft_cap, sliding_window, precision):
     # q_ref, o_ref [R', D] (row r: token tile * q_block + r // group, rows past q_block * G
     # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P]; refs: the scales
-    # ks_ref, vs_ref [N * Hkv * page_size] float32 (int8 pages only), then o_ref.
+    # ks_ref, vs_ref [N * Hkv * S] float32 (int8 pages only, S = scale_stride), then o_ref.
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     o_ref = refs[-1]
     tile, head = pl.program_id(0), pl.program_id(1)
@@ -103,7 +103,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
             v = plgpu.load(v_ref.at[kv_idx], mask=in_range[:, None], other=0)  # [KB, D]
             if scaled:
                 # page's row of scales, the head's run in it, the key's offset (`kv_quant`)
-                scale_idx = ((page * k_ref.shape[1] + head) * page_size
+                scale_idx = ((page * k_ref.shape[1] + head) * scale_stride
                              + jax.lax.rem(key_pos, page_size))  # [KB]
                 k_scale = plgpu.load(ks_ref.at[scale_idx], mask=in_range, other=0)  # [KB]
                 v_scale = plgpu.load(vs_ref.at[scale_idx], mask=in_range, other=0)  # [KB]
@@ -149,7 +149,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               block_keys=None, num_warps=None, num_stages=2, interpret=False, page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size]
+    [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * S]
     float32, or float8_e4m3fn; TPU's folded rows, `kv_quant.tokens_per_row`, are unfolded
     first: a copy).
 
@@ -185,7 +185,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     scales = () if k_scales is None else tuple(x.reshape(-1) for x in (k_scales, v_scales))
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size, block_keys=block_keys,
-        scaled=bool(scales), sm_scale=sm_scale, soft_cap=soft_cap,
+        scaled=bool(scales), scale_stride=0 if k_scales is None else
+        k_scales.shape[1] // num_kv_heads, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     tile_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda t, h: (t, h, 0, 0))

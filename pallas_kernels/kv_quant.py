@@ -28,14 +28,17 @@ A layer's cache is a tuple:
   kernels never see them: attention is linear in both, so the caller scales q by k's scale
   before the kernel and the output by v's after (`head_scaled_attention`);
 - `(k_pages, v_pages, k_scales, v_scales)` for "int8": int8 pages and float32 scales, one
-  per token and kv head (absmax over D / 127), in a pool beside the pages: `[N, Hkv *
-  page_size]`, row n holding page n's scales head by head (token p of head h at
-  `h * page_size + p`). Why this layout: a `[N, page_size, Hkv]` pool would pad Hkv to 128
-  lanes or be laid out pages-minor and copied on every kernel call (as above); a row of
-  `Hkv * page_size` floats is (nearly) dense, one page's scales are one contiguous copy, head
-  h's are a static lane slice, and splitting the row's heads over devices (tensor parallel)
-  splits it in whole blocks. A row under 128 floats (one kv head with pages of 64) is still
-  laid out pages-minor on TPU and copied per call (1/32 of the int8 pages' bytes).
+  per token and kv head (absmax over D / 127), in a pool beside the pages: `[N, Hkv * S]`,
+  row n holding page n's scales head by head (token p of head h at `h * S + p`), each head's
+  run S = page_size floats (`scale_stride`). Why this layout: a `[N, page_size, Hkv]` pool
+  would pad Hkv to 128 lanes or be laid out pages-minor and copied on every kernel call (as
+  above); a row of `Hkv * page_size` floats is dense, one page's scales are one contiguous
+  copy, head h's are a static lane slice, and splitting the row's heads over devices (tensor
+  parallel) splits it in whole blocks. On TPU a device's row under a multiple of 128 floats
+  (one kv head with pages of 64, 2 with pages of 32) was laid out pages-minor and copied per
+  call too, so there each head's run is padded to S = the smallest multiple of page_size that
+  makes the device's row one (128 for one head with pages of 64: the scales then take 8
+  bytes a token instead of 4, next to 128 bytes of int8 K or V at head_dim 128).
 
 Every reader (the Pallas kernels, the CPU backend, the reference) reads the stored bytes and
 dequantizes as it computes: `codes * scale`. A token's own attention also goes through the
@@ -113,16 +116,28 @@ def fold_heads(pages, fold: int = 1):
     return parts.reshape(*lead, page_size // fold, fold * num_kv_heads * head_dim)
 
 
-def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple:
-    """The int8 scale pool's shape: `[N, Hkv * page_size]`, head-major rows (above)."""
-    return num_pages, num_kv_heads * page_size
+def scale_stride(page_size: int, num_kv_heads: int, num_shards: int = 1,
+                 platform: str = "tpu") -> int:
+    """Floats each kv head's run takes in a row of the int8 scale pool (S above): page_size,
+    except on TPU where a device's `Hkv / num_shards * page_size` floats are not a multiple
+    of 128: then the smallest multiple of page_size that makes them one."""
+    if platform != "tpu":
+        return page_size
+    return page_size * (LANES // math.gcd(num_kv_heads // num_shards * page_size, LANES))
 
 
-def scales_by_token(scales, page_size: int):
-    """A scale pool `[N, Hkv * page_size]` (or rows of one) viewed as `[..., page_size, Hkv]`,
-    indexed like the pages."""
-    by_head = scales.reshape(*scales.shape[:-1], -1, page_size)  # [..., Hkv, ps]
-    return jnp.swapaxes(by_head, -1, -2)
+def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                     stride: int | None = None) -> tuple:
+    """The int8 scale pool's shape: `[N, Hkv * S]`, head-major rows (above); S = `stride`
+    (None: page_size)."""
+    return num_pages, num_kv_heads * (stride or page_size)
+
+
+def scales_by_token(scales, page_size: int, num_kv_heads: int):
+    """A scale pool `[N, Hkv * S]` (or rows of one) viewed as `[..., page_size, Hkv]`,
+    indexed like the pages (each head's run cut to its page_size scales)."""
+    by_head = scales.reshape(*scales.shape[:-1], num_kv_heads, -1)[..., :page_size]
+    return jnp.swapaxes(by_head, -1, -2)  # [..., ps, Hkv]
 
 
 FP8_HEADROOM = 2.0  # calibrated fp8 scales leave this factor above the first tokens' absmax
@@ -187,12 +202,12 @@ def dequantize(codes, scales=None, dtype=jnp.float32):
 def dequantize_pages(pages, head_dim: int, scales=None, dtype=jnp.float32,
                      page_size: int | None = None):
     """A whole pool's values as `dtype`, `[N, page_size, Hkv, D]`: pages `[N, page_size / f,
-    f * Hkv * D]` (page_size None: f = 1) with their scale pool `[N, Hkv * page_size]` (None:
+    f * Hkv * D]` (page_size None: f = 1) with their scale pool `[N, Hkv * S]` (None:
     unscaled)."""
     pages = page_heads(pages, head_dim, page_size)
     if scales is None:
         return dequantize(pages, None, dtype)
-    return dequantize(pages, scales_by_token(scales, pages.shape[1]), dtype)
+    return dequantize(pages, scales_by_token(scales, pages.shape[1], pages.shape[2]), dtype)
 
 
 def round_trip(x, dtype, head_scale=None):
@@ -220,8 +235,9 @@ def write(layer_cache: tuple, k_new, v_new, slot_mapping, page_size: int | None 
     k_scales, v_scales = layer_cache[2:]
     num_pages = k_pages.shape[0]
     num_kv_heads = k_new.shape[1]
+    stride = k_scales.shape[1] // num_kv_heads  # each head's run in a page's row
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)[:, None]  # [T, 1]
-    column = (jnp.arange(num_kv_heads) * page_size
+    column = (jnp.arange(num_kv_heads) * stride
               + (slot_mapping % page_size)[:, None])  # [T, Hkv]
     k_scales = k_scales.at[page, column].set(k_scale, mode="drop")
     v_scales = v_scales.at[page, column].set(v_scale, mode="drop")

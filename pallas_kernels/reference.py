@@ -65,7 +65,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
                     soft_cap=None, sliding_window=None, interpret=None, k_scales=None,
                     v_scales=None, page_size=None):
     """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored. k_scales,
-    v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
+    v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
                                    kernel_limits=False, k_scales=k_scales, v_scales=v_scales,
@@ -84,7 +84,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                            sliding_window=None, interpret=None, k_scales=None, v_scales=None,
                            page_size=None):
     """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored.
-    k_scales, v_scales [N, Hkv * page_size] float32: int8 pages' scales (`kv_quant`)."""
+    k_scales, v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`)."""
     del interpret
     dims = validation.check_ragged(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False,

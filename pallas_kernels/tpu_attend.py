@@ -11,8 +11,9 @@ is `[pages_per_block, page_size / f, f * Hkv * D]` and head h's page is its f la
 
 Quantized pages arrive as stored: each head's int8 tile is widened to float32, multiplied by
 its scales and rounded to q's dtype; an fp8 tile is cast to q's dtype. A copied scale block
-is `[pages_per_block, Hkv * page_size]` (a page's row of the pool, `kv_quant`): head h's
-scales are a static lane slice `[pages_per_block, page_size]`, transposed (Mosaic transposes
+is `[pages_per_block, Hkv * S]` (a page's row of the pool, each head's run S >= page_size
+floats, `kv_quant`): head h's scales are a static lane slice `[pages_per_block, page_size]`
+at `h * S`, transposed (Mosaic transposes
 32-bit tiles; it cannot reshape lanes into sublanes) so that page i's become the column
 `[page_size, 1]` its tile rows are multiplied by. So the MXU dots see exactly the
 values the reference dequantizes to (`kv_quant.dequantize`)."""
@@ -27,7 +28,8 @@ def _tile(buf, scale_buf, slot, h, head_dim, fold, dtype):
     """Head h's keys of block `slot` of buf [2, pages_per_block, page_size / fold, fold * Hkv
     * D] (its lanes [(h * fold + j) * D, (h * fold + j + 1) * D) for the fold parts j,
     stacked) as [KB, D] in dtype, int8 codes times their scales from scale_buf [2,
-    pages_per_block, Hkv * page_size] float32 (None: no scales, a plain cast)."""
+    pages_per_block, Hkv * S] float32, head h's at lanes [h * S, h * S + page_size) (None: no
+    scales, a plain cast)."""
     pages_per_block, rows = buf.shape[1:3]
     page_size = rows * fold
     parts = [buf[slot, :, :, (h * fold + j) * head_dim:(h * fold + j + 1) * head_dim]
@@ -35,7 +37,8 @@ def _tile(buf, scale_buf, slot, h, head_dim, fold, dtype):
     tile = parts[0] if fold == 1 else jnp.concatenate(parts, axis=1)  # [ppb, ps, D]
     if scale_buf is None:
         return tile.reshape(pages_per_block * page_size, -1).astype(dtype)  # [KB, D]
-    columns = scale_buf[slot, :, h * page_size:(h + 1) * page_size].T  # [ps, ppb]
+    stride = scale_buf.shape[-1] * head_dim * fold // buf.shape[-1]  # S: Hkv * S / Hkv
+    columns = scale_buf[slot, :, h * stride:h * stride + page_size].T  # [ps, ppb]
     return jnp.concatenate(
         [tile[i].astype(jnp.float32) * columns[:, i:i + 1] for i in range(pages_per_block)],
         axis=0).astype(dtype)  # [KB, D]
@@ -46,7 +49,7 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
     """Folds K/V block `slot` into the running softmax of every kv head.
 
     q_ref [Hkv, R, D]; k_buf, v_buf [2, pages_per_block, page_size / f, f * Hkv * D] in q's
-    dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf [2, pages_per_block, Hkv * page_size]
+    dtype, int8 or float8_e4m3fn; k_scale_buf, v_scale_buf [2, pages_per_block, Hkv * S]
     float32 for int8 pages; mask [R or 1, KB] the keys each row sees; key_valid [KB, 1] keys
     in range (V rows outside it are zeroed: stale VMEM may hold anything); m_ref, l_ref
     [Hkv, R, 1], acc_ref [Hkv, R, D] float32.

@@ -11,7 +11,7 @@ whose width is not a multiple of ROW_CHUNK is copied a whole row at a time.
 K/V blocks: one copy per page and per K/V, issued by a loop over exactly the block's pages in
 use (a loop, not one unrolled copy per possible page: the program stays small), each
 [page_size, Hkv * D] contiguous in HBM. int8 pages add one copy per page of each scale pool
-(the page's row `[Hkv * page_size]` float32, `kv_quant`): four copies per page instead of
+(the page's row `[Hkv * S]` float32, `kv_quant`): four copies per page instead of
 two.
 """
 
@@ -73,7 +73,7 @@ def row_copies(table_hbm, seq, row_ref, sem, first, last, start: bool):
 def block_copies(row_ref, pools, buffers, sems, slot, page0, num_pages, start: bool):
     """Starts or waits for the copies of pages row_ref[page0 : page0 + num_pages] of each
     pool in HBM (K, V [N, page_size, Hkv * D], then the int8 pages' K and V scales
-    [N, Hkv * page_size]) into the same-index buffer's [slot] [pages_per_block, ...]
+    [N, Hkv * S]) into the same-index buffer's [slot] [pages_per_block, ...]
     (semaphores sems[pool, slot]). A start and its wait must get the same pages."""
 
     def body(p, carry):

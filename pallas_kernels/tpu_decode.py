@@ -20,7 +20,7 @@ reaches the output.
 
 Quantized pages (`kv_quant`) are copied as stored (int8 or fp8: half a bf16 page) and
 dequantized per head in VMEM (`tpu_attend`). int8 pages bring their float32 scales along
-(the page's row `[Hkv * page_size]` of the scale pool): one more copy per page for each of K
+(the page's row `[Hkv * S]` of the scale pool): one more copy per page for each of K
 and V (four per page instead of two), into two-slot buffers of their own that the VMEM
 budget counts. XLA passes the pool to the kernel as it is when its rows hold 128 floats or
 more (8 kv heads with pages of 64: tests/kernels/test_pallas_compile.py); a narrower row (one
@@ -72,7 +72,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and the pools k_hbm, v_hbm
-    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
+    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * S] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
     # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
@@ -190,7 +190,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
               v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
               interpret=False, page_size=None):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size / f, f * Hkv * D]
-    (q's dtype, int8 with k_scales, v_scales [N, Hkv * page_size] float32, or float8_e4m3fn;
+    (q's dtype, int8 with k_scales, v_scales [N, Hkv * S] float32, or float8_e4m3fn;
     page_size None: the pages' rows, f = 1).
 
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
@@ -217,7 +217,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
 
     q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # K, V, then (int8) their scale pools [N, Hkv * page_size].
+    # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
                for pool in pools]  # [2, pages_per_block, ...] each

@@ -51,7 +51,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
     # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
     # row_ref, row_sem, m_ref, l_ref, acc_ref.
     # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and the pools k_hbm, v_hbm
-    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * page_size] float32)
+    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * S] float32)
     # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; row_ref SMEM [P] (the sequence's table row), row_sem DMA; m_ref, l_ref
     # [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
@@ -156,7 +156,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda t, *_: (0, t, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # K, V, then (int8) their scale pools [N, Hkv * page_size].
+    # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
                for pool in pools]  # [2, pages_per_block, ...] each

@@ -111,8 +111,9 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
 
 
 def check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size):
-    """int8 pages need both scale pools, float32 [N, Hkv * page_size] (`kv_quant`); pages of
-    any other dtype take none (a scale given for them would be silently ignored)."""
+    """int8 pages need both scale pools, float32 [N, Hkv * S] with S a multiple of page_size
+    (`kv_quant.scale_stride`); pages of any other dtype take none (a scale given for them
+    would be silently ignored)."""
     given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales))
              if x is not None]
     if k_pages.dtype != jnp.int8:
@@ -123,11 +124,15 @@ def check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size):
     if len(given) < 2:
         raise ValueError("int8 pages need k_scales and v_scales (float32 "
                          "[num_pages, num_kv_heads * page_size])")
-    want = kv_quant.scale_pool_shape(k_pages.shape[0], page_size, num_kv_heads)
+    row = k_scales.shape[-1] if k_scales.ndim == 2 else 0
+    stride = row // num_kv_heads if row % num_kv_heads == 0 else 0
+    want = kv_quant.scale_pool_shape(k_pages.shape[0], page_size, num_kv_heads,
+                                     stride if stride and stride % page_size == 0 else None)
     for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
         if x.dtype != jnp.float32 or x.shape != want:
-            raise ValueError(f"{name} must be float32{list(want)} like the pages, got "
-                             f"{x.dtype}{list(x.shape)}")
+            raise ValueError(f"{name} must be float32{list(want)} like the pages (or with "
+                             f"each kv head's run a larger multiple of page_size {page_size}),"
+                             f" got {x.dtype}{list(x.shape)}")
 
 
 def check_table_covers(kv_lens, dims: Dims):

@@ -70,7 +70,7 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def kv_scale_sharding(mesh: Mesh) -> NamedSharding:
-    """int8 pages' scale pools `[N, Hkv * page_size]` (`pallas_kernels.kv_quant`): rows
+    """int8 pages' scale pools `[N, Hkv * S]` (`pallas_kernels.kv_quant`): rows
     split into whole heads like the pages (each device's part is its heads' runs)."""
     return NamedSharding(mesh, P(None, LOGICAL_AXIS_RULES["kv_heads"]))
 

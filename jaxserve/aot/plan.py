@@ -222,12 +222,13 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
-                                     tp)
+                                     tp, target.platform)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device{_in_use_note(first_in_use)}: {err}"
         return result
-    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, cache_dtype) // tp)
+    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, cache_dtype, tp,
+                                       target.platform) // tp)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size)
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)

@@ -61,7 +61,7 @@ class AttentionBackend:
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata):
         """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
         `(k_pages, v_pages)` `[N, page_size, Hkv * D]`, with `(k_scales, v_scales)`
-        `[N, Hkv * page_size]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
+        `[N, Hkv * S]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
         [T]` and `page_indices [S, P]` already address this layer's pages → (out `[T, Hq, D]`,
         new layer cache)."""
         raise NotImplementedError

@@ -105,7 +105,7 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
 class PagePool:
     """The pages of K or of V viewed with their heads apart, `pages [N, page_size, Hkv, D]`
     (`kv_quant.page_heads` of the stored `[N, page_size, Hkv * D]`), and for int8 pages their
-    scales `[N, Hkv * page_size]` (`pallas_kernels.kv_quant`)."""
+    scales `[N, Hkv * S]` (`pallas_kernels.kv_quant`)."""
 
     pages: jax.Array
     scales: jax.Array | None = None
@@ -122,8 +122,8 @@ class PagePool:
             return values
         rows, pages_per_seq = page_indices.shape
         num_kv_heads = self.pages.shape[2]
-        scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, Hkv * ps]
-        scales = scales.reshape(rows, pages_per_seq, num_kv_heads, self.page_size)
+        scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, Hkv * S]
+        scales = scales.reshape(rows, pages_per_seq, num_kv_heads, -1)[..., :self.page_size]
         scales = scales.transpose(0, 2, 1, 3).reshape(rows, num_kv_heads, -1)  # [B, Hkv, P*ps]
         return values.astype(jnp.float32) * scales[..., None]  # [B, Hkv, P * ps, D]
 

@@ -7,9 +7,10 @@ layers one pair holding every layer's pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
 `pallas_kernels.kv_quant`), a layer's cache then being `(k_pages, v_pages, k_scales,
-v_scales)`: int8 pages add a scale pool per K and V, `[num_pages, num_kv_heads * page_size]`
-float32; fp8 pages a float32 scale per kv head, `[num_kv_heads]`. `dtype` below is always
-the pages' dtype.
+v_scales)`: int8 pages add a scale pool per K and V, `[num_pages, num_kv_heads * S]`
+float32 (S = page_size, or on TPU more where a device's row would be narrow:
+`kv_quant.scale_stride`); fp8 pages a float32 scale per kv head, `[num_kv_heads]`. `dtype`
+below is always the pages' dtype.
 
 On a mesh the pages and int8 scale pools are split on their kv heads
 (`sharding.kv_cache_sharding`, `kv_scale_sharding`), like the k/v projections that fill
@@ -27,16 +28,21 @@ import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import (has_head_scales, has_scales, page_shape, scale_pool_shape,
-                                     tokens_per_row)
+                                     scale_stride, tokens_per_row)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 GiB there
 
 
-def page_bytes(model: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page across all layers, keys and values (and their scales, for int8)."""
+def page_bytes(model: ModelConfig, page_size: int, dtype, tensor_parallel_size: int = 1,
+               platform: str | None = None) -> int:
+    """Bytes of one page across all layers, keys and values (and their scales, for int8: a
+    float32 per token and head, each head's run padded on TPU as `kv_quant.scale_stride` says
+    for `tensor_parallel_size` devices; platform default: JAX's default backend)."""
     per_layer = page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
     if has_scales(dtype):
-        per_layer += page_size * model.num_kv_heads * 4  # one float32 scale per token, head
+        per_layer += 4 * model.num_kv_heads * scale_stride(
+            page_size, model.num_kv_heads, tensor_parallel_size,
+            platform or jax.default_backend())
     return 2 * model.num_layers * per_layer
 
 
@@ -48,17 +54,19 @@ def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
     device = device or jax.devices()[0]
     stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
     return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
-                            stats.get("bytes_in_use", 0), tensor_parallel_size)
+                            stats.get("bytes_in_use", 0), tensor_parallel_size, device.platform)
 
 
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
-                     bytes_in_use: int, tensor_parallel_size: int = 1) -> int:
+                     bytes_in_use: int, tensor_parallel_size: int = 1,
+                     platform: str | None = None) -> int:
     """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
     bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
     limit. `jaxserve plan` calls this with the numbers of a device that is not attached."""
     if engine.num_pages is not None:
         return engine.num_pages
-    one_page = page_bytes(model, engine.page_size, dtype) // tensor_parallel_size
+    one_page = page_bytes(model, engine.page_size, dtype, tensor_parallel_size,
+                          platform) // tensor_parallel_size
     if bytes_limit is not None:
         budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
         pages = max(budget, 0) // one_page
@@ -85,9 +93,9 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
     many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU)."""
     pages = num_pages * model.num_layers if scan_layers else num_pages
-    fold = tokens_per_row(page_size, model.num_kv_heads, model.head_dim,
-                          1 if mesh is None else sharding.tensor_parallel_size(mesh),
-                          platform or jax.default_backend())
+    platform = platform or jax.default_backend()
+    tp = 1 if mesh is None else sharding.tensor_parallel_size(mesh)
+    fold = tokens_per_row(page_size, model.num_kv_heads, model.head_dim, tp, platform)
     shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim, fold)
 
     def struct(shape, dtype, place):
@@ -96,8 +104,9 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     page = struct(shape, jnp.dtype(dtype), sharding.kv_cache_sharding)
     layer = (page, page)
     if has_scales(dtype):
-        scales = struct(scale_pool_shape(pages, page_size, model.num_kv_heads), jnp.float32,
-                        sharding.kv_scale_sharding)
+        stride = scale_stride(page_size, model.num_kv_heads, tp, platform)
+        scales = struct(scale_pool_shape(pages, page_size, model.num_kv_heads, stride),
+                        jnp.float32, sharding.kv_scale_sharding)
         layer = (page, page, scales, scales)
     elif has_head_scales(dtype):
         heads = (model.num_layers,) * scan_layers + (model.num_kv_heads,)

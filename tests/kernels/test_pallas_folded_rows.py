@@ -1,7 +1,9 @@
-"""Pages whose rows hold several tokens (`kv_quant.tokens_per_row`: TPU, one kv head of 64 per
-device): the kernels, the write and a kv-head split over devices read and write them exactly
-as the same tokens stored one to a row. Every check compares with the reference on the
-unfolded pages (or with numpy), built from the same values."""
+"""TPU's lane-dense layouts: pages whose rows hold several tokens (`kv_quant.tokens_per_row`:
+one kv head of 64 per device) and int8 scale pools whose heads' runs are padded
+(`kv_quant.scale_stride`). The kernels, the writes and a kv-head split over devices read
+and write them exactly as the same tokens stored one to a row with unpadded scales. Every
+check compares with the reference on the plain layout (or with numpy), built from the same
+values; scale padding holds NaN, so reading it would show."""
 
 import functools
 
@@ -19,21 +21,31 @@ PAGE_TABLE = np.array([[3, 1, 4, -1], [5, 9, 2, 6], [-1, 99, -1, -1]], np.int32)
 NUM_PAGES = 10
 
 
+def padded_scales(scales, stride):
+    """Scales [N, page_size, Hkv] as a pool [N, Hkv * stride], each head's run padded with
+    NaN."""
+    by_head = jnp.swapaxes(scales, 1, 2)  # [N, Hkv, ps]
+    padding = ((0, 0), (0, 0), (0, stride - by_head.shape[-1]))
+    return jnp.pad(by_head, padding, constant_values=jnp.nan).reshape(scales.shape[0], -1)
+
+
 def _pools(rng, page_size, num_kv_heads, head_dim, kind):
     """K and V as values [N, page_size, Hkv, D] float32, then as stored: unfolded and folded
-    pages (with int8 scale pools, else None)."""
+    pages, with int8 scale pools (unpadded, padded as on TPU), else Nones."""
     values = rng.standard_normal((2, NUM_PAGES, page_size, num_kv_heads, head_dim))
     values = values.astype(np.float32)
     fold = kv_quant.tokens_per_row(page_size, num_kv_heads, head_dim)
     assert fold > 1
     if kind == "int8":
         codes, scales = kv_quant.quantize_tokens(jnp.asarray(values), jnp.int8)
-        scales = [jnp.swapaxes(s, 1, 2).reshape(NUM_PAGES, -1) for s in scales]  # [N, Hkv*ps]
+        stride = kv_quant.scale_stride(page_size, num_kv_heads)
+        assert stride > page_size
+        scales, padded = ([padded_scales(s, n) for s in scales] for n in (page_size, stride))
     else:
-        codes, scales = jnp.asarray(values).astype(kind), [None, None]
+        codes, scales, padded = jnp.asarray(values).astype(kind), [None, None], [None, None]
     unfolded = [kv_quant.fold_heads(c, 1) for c in codes]
     folded = [kv_quant.fold_heads(c, fold) for c in codes]
-    return unfolded, folded, scales
+    return unfolded, folded, scales, padded
 
 
 def _scaled(scales):
@@ -49,7 +61,7 @@ def _scaled(scales):
 def test_folded_pages_match_the_reference(num_kv_heads, page_size, kind, interpret):
     rng = np.random.default_rng(num_kv_heads * page_size)
     head_dim, group = 64, 2
-    unfolded, folded, scales = _pools(rng, page_size, num_kv_heads, head_dim, kind)
+    unfolded, folded, scales, padded = _pools(rng, page_size, num_kv_heads, head_dim, kind)
     q_dtype = jnp.float32 if kind == "int8" else kind
     tol = dict(atol=3e-2, rtol=3e-2) if q_dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
     table = jnp.asarray(PAGE_TABLE)
@@ -59,7 +71,7 @@ def test_folded_pages_match_the_reference(num_kv_heads, page_size, kind, interpr
                                      **_scaled(scales))
     for options in (dict(backend="tpu", interpret=interpret), {}):  # TPU; default (Triton)
         got = pk.paged_attention(q, *folded, kv_lens, table, page_size=page_size,
-                                 **_scaled(scales), **options)
+                                 **_scaled(padded), **options)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    **tol)
     cu_q_lens = jnp.array([0, 7, 8, 8], jnp.int32)  # a prefill chunk, a decode row, nothing
@@ -70,7 +82,7 @@ def test_folded_pages_match_the_reference(num_kv_heads, page_size, kind, interpr
     got = pk.ragged_paged_attention(qr, *folded, kv_lens, table, cu_q_lens,
                                     jnp.array([2], jnp.int32), page_size=page_size,
                                     backend="tpu", interpret=interpret, q_block=8,
-                                    **_scaled(scales))
+                                    **_scaled(padded))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                **tol)
 
@@ -139,7 +151,32 @@ def test_folded_pages_split_over_devices():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-def test_tokens_per_row():
+def test_int8_write_into_padded_scale_runs():
+    """`kv_quant.write` puts token p's scale of head h at h * S + p (S the padded run) and
+    leaves the padding alone; the codes and scales match numpy's absmax / 127 quantization
+    (hand-computed: a row of 127s and one of -2s)."""
+    page_size, num_kv_heads, head_dim = 16, 1, 64
+    stride = kv_quant.scale_stride(page_size, num_kv_heads)  # 128: 16 floats pad to a row
+    fold = kv_quant.tokens_per_row(page_size, num_kv_heads, head_dim)
+    pages = jnp.zeros(kv_quant.page_shape(4, page_size, num_kv_heads, head_dim, fold), jnp.int8)
+    scales = jnp.full((4, num_kv_heads * stride), jnp.nan, jnp.float32)
+    new = np.zeros((2, num_kv_heads, head_dim), np.float32)
+    new[0] = 127.0 * 3  # scale 3, codes 127
+    new[1, 0, 5] = -2.0  # scale 2/127, code -127 at lane 5
+    slots = jnp.array([2 * page_size + 9, 1 * page_size + 0], jnp.int32)
+    k_pages, _, k_scales, _ = kv_quant.write((pages, pages, scales, scales), jnp.asarray(new),
+                                             jnp.asarray(new), slots, page_size)
+    got_scales = np.asarray(k_scales)
+    assert got_scales[2, 9] == 3.0 and np.isclose(got_scales[1, 0], 2.0 / 127)
+    written = np.zeros_like(got_scales, bool)
+    written[2, 9] = written[1, 0] = True
+    assert np.isnan(got_scales[~written]).all()  # the rest untouched
+    codes = np.asarray(kv_quant.page_heads(k_pages, head_dim, page_size))
+    assert (codes[2, 9] == 127).all() and codes[1, 0, 0, 5] == -127
+    assert np.count_nonzero(codes) == head_dim + 1
+
+
+def test_tokens_per_row_and_scale_stride():
     """Hand-counted: rows of a multiple of 128 lanes stay one token; 64 values fold 2; 192
     (3 heads of 64) fold 2 into 384; off TPU nothing folds; a fold that does not divide the
     page stays 1."""
@@ -150,6 +187,10 @@ def test_tokens_per_row():
     assert kv_quant.tokens_per_row(64, 1, 64, platform="gpu") == 1
     assert kv_quant.tokens_per_row(2, 1, 32) == 1  # would need 4 tokens a row
     assert kv_quant.page_shape(10, 64, 1, 64, fold=2) == (10, 32, 128)
+    # scale runs: 8 heads of 64 fill 512 floats; one head of 64 pads to 128; 3 of 16 to 3 x 128
+    assert kv_quant.scale_stride(64, 8) == 64 and kv_quant.scale_stride(64, 1) == 128
+    assert kv_quant.scale_stride(16, 3) == 128 and kv_quant.scale_stride(64, 8, 8) == 128
+    assert kv_quant.scale_stride(16, 1, platform="gpu") == 16
 
 
 def test_copy_blocks_count_the_vmem_tiles_a_page_takes():
