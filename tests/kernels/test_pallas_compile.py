@@ -117,7 +117,8 @@ def test_folded_rows_compile_without_copying_the_cache(generation, dtype, hq, hk
     sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
     d, q_dtype = 64, jnp.bfloat16
-    scales = [s((QUANT_PAGES, hkv * page_size), jnp.float32)] * 2 if dtype == jnp.int8 else []
+    stride = kv_quant.scale_stride(page_size, hkv)
+    scales = [s((QUANT_PAGES, hkv * stride), jnp.float32)] * 2 if dtype == jnp.int8 else []
     copies = {}
     for fold in (1, kv_quant.tokens_per_row(page_size, hkv, d)):
         pages = s(kv_quant.page_shape(QUANT_PAGES, page_size, hkv, d, fold), dtype)
@@ -130,6 +131,26 @@ def test_folded_rows_compile_without_copying_the_cache(generation, dtype, hq, hk
             s((1,), jnp.int32), *scales)
         copies[fold] = pool_copies(compiled.as_text(), [pages.shape])
     assert copies == {1: 2, 2: 0}  # K and V copied one token a row; neither folded
+
+
+def test_int8_scale_runs_padded_on_tpu_are_not_copied():
+    """One kv head of 128 with pages of 64: a 64-float scale row is laid out pages-minor and
+    both scale pools are copied per call (a copy memory_analysis counts as no temporaries);
+    the run padded to 128 floats (`kv_quant.scale_stride`) is read in place."""
+    target = Target("tpu", "v6e", 1)
+    sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    page_size, d = 64, 128
+    pages = s(kv_quant.page_shape(QUANT_PAGES, page_size, 1, d), jnp.int8)
+    copies = {}
+    for stride in (page_size, kv_quant.scale_stride(page_size, 1)):
+        scales = s((QUANT_PAGES, stride), jnp.float32)
+        compiled = _compile(lambda q, k, v, lens, t, ks, vs: pk.paged_attention(
+            q, k, v, lens, t, k_scales=ks, v_scales=vs), target,
+            s((NUM_SEQS, 4, d), jnp.bfloat16), pages, pages, s((NUM_SEQS,), jnp.int32),
+            s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32), scales, scales)
+        copies[stride] = pool_copies(compiled.as_text(), [scales.shape])
+    assert copies == {64: 2, 128: 0}
 
 
 # Quantized pages at engine-like shapes: bfloat16 q, head_dim 128, pages of 64 on TPU (8 kv
@@ -155,12 +176,14 @@ QUANT_PAGES = 4096  # a pool large enough that a copy of it would show in the te
 def test_quantized_pages_compile(target, kind, hq, hkv, page_size, d):
     """int8 pages with their scales and fp8 pages: both kernels compile, and their
     temporaries stay far below the cache: no dequantized or relaid-out copy of the pages,
-    nor of the int8 scale pools (a lane-padded copy of those would be 16-128x their size)."""
+    nor of the int8 scale pools (whose heads' runs are padded on TPU where a row would be
+    under 128 floats, `kv_quant.scale_stride`: one kv head with pages of 64)."""
     sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
     pages = s((QUANT_PAGES, page_size, hkv * d), jnp.int8 if kind == "int8" else
               jnp.float8_e4m3fn)
-    scales = [s((QUANT_PAGES, hkv * page_size), jnp.float32)] * 2 if kind == "int8" else []
+    stride = kv_quant.scale_stride(page_size, hkv, platform=target.platform)
+    scales = [s((QUANT_PAGES, hkv * stride), jnp.float32)] * 2 if kind == "int8" else []
     table = s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32)
     kv_lens = s((NUM_SEQS,), jnp.int32)
     cache_bytes = 2 * QUANT_PAGES * page_size * hkv * d
@@ -179,3 +202,4 @@ def test_quantized_pages_compile(target, kind, hq, hkv, page_size, d):
     for compiled in (decode, ragged):
         assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
         assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout of pages
+        assert pool_copies(compiled.as_text(), [x.shape for x in scales]) == 0  # nor scales
