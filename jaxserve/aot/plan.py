@@ -95,11 +95,13 @@ def chosen_programs(runner: Runner, buckets: str) -> list[tuple[str, int, int]]:
 
 
 def kv_pool_shapes(caches) -> set[tuple[int, ...]]:
-    """The per-device shapes of a cache structure's page pools (its 3-D leaves, `[N,
-    page_size, Hkv * D]`). int8 scale pools are left out: one whose rows hold fewer than 128
-    floats is copied too (`pallas_kernels.kv_quant`), a copy 1/32 of the int8 pages' size."""
-    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in jax.tree.leaves(caches)
-            if leaf.ndim == 3}
+    """The per-device shapes of a cache structure's page pools: its 3-D leaves, `[N,
+    page_size / f, f * Hkv * D]`, and int8 pages' scale pools, the 2-D leaves as long as
+    them, `[N, Hkv * S]` (`pallas_kernels.kv_quant`; fp8 scales per kv head are left out)."""
+    leaves = jax.tree.leaves(caches)
+    num_pages = {leaf.shape[0] for leaf in leaves if leaf.ndim == 3}
+    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in leaves
+            if leaf.ndim == 3 or (leaf.ndim == 2 and leaf.shape[0] in num_pages)}
 
 
 def pool_copies(hlo_text: str, shapes) -> int:

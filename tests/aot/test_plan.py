@@ -212,3 +212,20 @@ def test_a_plan_reads_the_page_pool_in_place_with_head_dim_64(tmp_path, kv_heads
                           "--num-pages", 4000)
     assert [p["cache_copies"] for p in plan["programs"]] == [0, 0]
     assert code == 0, plan["reason"]
+
+
+def test_a_plan_reads_int8_scale_pools_in_place(tmp_path):
+    """int8 pages of 16 tokens with 2 kv heads: a scale row of 32 floats, which XLA:TPU laid
+    out pages-minor and copied on every call; each head's run padded to 64 floats
+    (`kv_quant.scale_stride`) makes the row 128, and neither pages nor scales are copied. The
+    plan counts copies of the scale pools with the pages'."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
+        "[kv_cache]", '[kv_cache]\nkv_cache_dtype = "int8"'))
+    code, plan = run_plan("--config", preset, "--model", folder, "--buckets", "largest",
+                          "--num-pages", 4000)
+    assert [p["cache_copies"] for p in plan["programs"]] == [0, 0]
+    assert code == 0, plan["reason"]
