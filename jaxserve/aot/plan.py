@@ -272,9 +272,10 @@ def _failure(reports: list[ProgramReport], resident: int, hbm: int,
             return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
         if r.cache_copies:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) has {r.cache_copies} copy "
-                    "instruction(s) of a whole KV page pool: most likely XLA "
-                    "relaying it out for the attention kernel (on TPU: kv heads per device x "
-                    "head_dim not a multiple of 128; see pallas_kernels/kv_quant.py)")
+                    "instruction(s) of a whole KV page pool or int8 scale pool: most likely "
+                    "XLA relaying it out for the attention kernel (on TPU: a page or scale "
+                    "row per device not a multiple of 128 lanes; see "
+                    "pallas_kernels/kv_quant.py)")
         if in_use + r.peak_bytes > hbm:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
                     f"GiB per device of {hbm / GIB:.2f}{note}")
