@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels as pk
-from pallas_kernels import batch_rows, gpu_decode, reference
+from pallas_kernels import batch_rows, gpu_decode, reference, tpu_prefill
 
 BF16 = ml_dtypes.bfloat16
 PAGE = 16
@@ -111,6 +111,31 @@ def test_ragged_decode_rows_never_read_past_their_pages(make_case, backend, inte
                                             denan(case.v_pages), kv_lens, clean,
                                             *args[5:])
     check(out, want, case)
+
+
+def test_prefill_prefetch_across_chunks_and_tiles_reads_only_their_pages(make_case):
+    """The TPU prefill kernel fetches the next chunk's first K/V block (the tile's next
+    sequence, or the next tile's first on the same core) during a chunk's last block. Short
+    chunks, decode rows between them (no keys for the prefill kernel), tiles of 8 tokens
+    straddling chunks, an odd tile count (a padding tile), blocks of one page (so chunks
+    span several): in TPU interpret mode with race detection over poisoned tables, so a
+    prefetch of the wrong pages, a slot or table-row mix-up or a race fails."""
+    case, kv_lens, table, clean = poisoned_case(
+        make_case, 12, kv_lens=(3, 2 * PAGE + 5, 1, PAGE, 9, 1, 4 * PAGE))
+    q_lens = np.array([3, 5, 1, 2, 9, 1, 12])  # 33 tokens: 5 tiles of 8, one padding tile
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = case.queries(int(cu_q_lens[-1]))
+    num_seqs = np.array([7], np.int32)
+    rows = batch_rows.split_rows(jnp.asarray(cu_q_lens), jnp.asarray(num_seqs))
+    out = tpu_prefill.attention(q, case.k_pages, case.v_pages, kv_lens, table, cu_q_lens,
+                                rows.chunk_len, sm_scale=64**-0.5, q_block=8,
+                                pages_per_block=1,
+                                interpret=pltpu.InterpretParams(detect_races=True))
+    want = reference.ragged_paged_attention(q, denan(case.k_pages), denan(case.v_pages),
+                                            kv_lens, clean, cu_q_lens, num_seqs)
+    chunk_rows = np.repeat(q_lens > 1, q_lens)  # [T] rows the prefill kernel answers
+    check(np.asarray(out)[chunk_rows], np.asarray(want)[chunk_rows], case)
+    assert not np.asarray(out)[~chunk_rows].any()  # decode rows: zeros
 
 
 def test_kv_len_past_the_table_is_an_error(make_case):
