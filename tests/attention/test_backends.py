@@ -39,14 +39,20 @@ def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
     return out
 
 
-def packed(pages):
-    """numpy pages [N, page_size, Hkv, D] as the backends store them: [N, page_size, Hkv * D]."""
-    return pages.reshape(*pages.shape[:2], HKV * D)
+def packed(pages, fold=1):
+    """numpy pages [N, page_size, Hkv, D] as the backends store them: [N, page_size / fold,
+    fold * Hkv * D], token p of a page in row p % (page_size / fold), head h's part p //
+    (page_size / fold) at lanes (h * fold + part) * D (`kv_quant.tokens_per_row`)."""
+    rows = PAGE // fold
+    parts = pages.reshape(pages.shape[0], fold, rows, HKV, D).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(parts).reshape(pages.shape[0], rows, fold * HKV * D)
 
 
-def heads(pages):
-    """A backend's pages [N, page_size, Hkv * D] as numpy [N, page_size, Hkv, D]."""
-    return np.asarray(pages).reshape(*pages.shape[:2], HKV, D)
+def heads(pages, fold=1):
+    """A backend's pages (as `packed` stores them) as numpy [N, page_size, Hkv, D]."""
+    rows = PAGE // fold
+    parts = np.asarray(pages).reshape(pages.shape[0], rows, HKV, fold, D)
+    return parts.transpose(0, 3, 1, 2, 4).reshape(pages.shape[0], PAGE, HKV, D)
 
 
 def write(pages, new, slots):
@@ -57,12 +63,15 @@ def write(pages, new, slots):
     return pages
 
 
-@pytest.mark.parametrize("name", ["cpu", "pallas", "reference"])
-def test_a_step_of_every_kind_equals_numpy(name):
+@pytest.mark.parametrize("name,fold", [("cpu", 1), ("pallas", 1), ("reference", 1),
+                                       ("pallas", 2), ("reference", 2), ("cpu", 4)])
+def test_a_step_of_every_kind_equals_numpy(name, fold):
     """Fresh prompts, a fresh prompt beside a decode row (one needing both pages, one only the
     first), a continued chunk beside a decode row, two continued chunks; three real rows,
     padding tokens and one padding row, sliding window 6. Earlier context is random K/V in
-    the pages; the returned pages must hold the step's K/V at its slots."""
+    the pages; the returned pages must hold the step's K/V at its slots. Pages of one token
+    a row, and of `fold` tokens a row (TPU's layout where a device's kv heads fill less than
+    128 lanes), written out here by hand."""
     rng = np.random.default_rng(0)
     tokens, q_lens = 32, [5, 17, 1]
     cu = np.array([0, 5, 22, 23, 23], np.int32)
@@ -85,10 +94,10 @@ def test_a_step_of_every_kind_equals_numpy(name):
             slots[cu[s]:cu[s] + n] = page_indices[s][pos // PAGE] * PAGE + pos % PAGE
         batch = PagedBatch(slots, kv_lens, page_indices, cu, np.array([3], np.int32))
         out, (k_pages, v_pages) = step(batch, q, k_new, v_new,
-                                       (packed(cache[0]), packed(cache[1])))
+                                       (packed(cache[0], fold), packed(cache[1], fold)))
         want_k, want_v = write(cache[0], k_new, slots), write(cache[1], v_new, slots)
-        np.testing.assert_array_equal(heads(k_pages), want_k)
-        np.testing.assert_array_equal(heads(v_pages), want_v)
+        np.testing.assert_array_equal(heads(k_pages, fold), want_k)
+        np.testing.assert_array_equal(heads(v_pages, fold), want_v)
         want = numpy_attention(q, want_k, want_v, kv_lens, page_indices, cu, 3, 6)
         np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, err_msg=str(kv_lens))
 
