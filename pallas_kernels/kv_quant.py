@@ -38,7 +38,9 @@ A layer's cache is a tuple:
   (one kv head with pages of 64, 2 with pages of 32) was laid out pages-minor and copied per
   call too, so there each head's run is padded to S = the smallest multiple of page_size that
   makes the device's row one (128 for one head with pages of 64: the scales then take 8
-  bytes a token instead of 4, next to 128 bytes of int8 K or V at head_dim 128).
+  bytes a token instead of 4, next to 128 bytes of int8 K or V at head_dim 128; with pages
+  of 16, 32 bytes: use larger pages there). The padding costs memory, counted when the cache
+  is sized; the copy it avoids moved the whole scale pool per layer and step.
 
 Every reader (the Pallas kernels, the CPU backend, the reference) reads the stored bytes and
 dequantizes as it computes: `codes * scale`. A token's own attention also goes through the

@@ -29,7 +29,8 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, page_size=None):
     """
     if k_pages.ndim != 3 or v_pages.shape != k_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_pages, page_size, num_kv_heads * head_dim], "
+            "k_pages and v_pages must both be [num_pages, page_size / f, f * num_kv_heads * "
+            "head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}"
         )
     num_pages, rows, width = k_pages.shape

@@ -10,7 +10,8 @@ whose width is not a multiple of ROW_CHUNK is copied a whole row at a time.
 
 K/V blocks: one copy per page and per K/V, issued by a loop over exactly the block's pages in
 use (a loop, not one unrolled copy per possible page: the program stays small), each
-[page_size, Hkv * D] contiguous in HBM. int8 pages add one copy per page of each scale pool
+[page_size / f, f * Hkv * D] contiguous in HBM (`kv_quant.page_shape`). int8 pages add one
+copy per page of each scale pool
 (the page's row `[Hkv * S]` float32, `kv_quant`): four copies per page instead of
 two.
 """

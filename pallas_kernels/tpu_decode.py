@@ -22,10 +22,11 @@ Quantized pages (`kv_quant`) are copied as stored (int8 or fp8: half a bf16 page
 dequantized per head in VMEM (`tpu_attend`). int8 pages bring their float32 scales along
 (the page's row `[Hkv * S]` of the scale pool): one more copy per page for each of K
 and V (four per page instead of two), into two-slot buffers of their own that the VMEM
-budget counts. XLA passes the pool to the kernel as it is when its rows hold 128 floats or
-more (8 kv heads with pages of 64: tests/kernels/test_pallas_compile.py); a narrower row (one
-kv head with pages of 64: 64 floats) is laid out pages-minor and copied per call, a copy 1/32
-the size of the int8 pages (found in the compiled HLO; not yet fixed).
+budget counts. XLA passes the pool to the kernel as it is when a device's rows are a
+multiple of 128 floats (8 kv heads with pages of 64), so where they would not be (one kv
+head with pages of 64) each head's run is padded (`kv_quant.scale_stride`): a narrower row
+was laid out pages-minor and copied whole on every call (tests/kernels/test_pallas_compile.py
+shows both).
 
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the

@@ -30,8 +30,9 @@ Quantized pages as in `tpu_decode`: copied as stored (int8 with their scale page
 copies per page instead of two) and dequantized per head in VMEM.
 
 Relation to RPA v3: like it, one kernel walks sequences inside a step with manual
-double-buffered page copies, the next sequence's first block prefetched; unlike it, the tiles are fixed windows of the flat batch (not
-per-sequence query blocks), so the grid is static and every tile is one BlockSpec block.
+double-buffered page copies, the next sequence's first block prefetched; unlike it, the
+tiles are fixed windows of the flat batch (not per-sequence query blocks), so the grid is
+static and every tile is one BlockSpec block.
 """
 
 import functools
@@ -172,8 +173,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
               v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
               pages_per_block=None, interpret=False, page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
-    [N, page_size / f, f * Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv *
-    page_size] float32, or float8_e4m3fn; page_size None: the pages' rows, f = 1).
+    [N, page_size / f, f * Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * S]
+    float32, or float8_e4m3fn; page_size None: the pages' rows, f = 1).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within

@@ -69,7 +69,7 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
         raise ValueError(f"q must have 3 dimensions, got shape {q.shape}")
     if k_pages.ndim != 3:
         raise ValueError(
-            "k_pages must be [num_pages, page_size, num_kv_heads * head_dim], "
+            "k_pages must be [num_pages, page_size / f, f * num_kv_heads * head_dim], "
             f"got shape {k_pages.shape}"
         )
     if v_pages.shape != k_pages.shape:
@@ -123,7 +123,7 @@ def check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size):
         return
     if len(given) < 2:
         raise ValueError("int8 pages need k_scales and v_scales (float32 "
-                         "[num_pages, num_kv_heads * page_size])")
+                         "[num_pages, num_kv_heads * S], S >= page_size)")
     row = k_scales.shape[-1] if k_scales.ndim == 2 else 0
     stride = row // num_kv_heads if row % num_kv_heads == 0 else 0
     want = kv_quant.scale_pool_shape(k_pages.shape[0], page_size, num_kv_heads,

@@ -7,7 +7,8 @@ Megatron-style tensor parallelism on the "model" axis:
   holds a partial sum, and XLA inserts the all-reduce over "model" at the einsum;
 - embedding and lm_head are vocab-parallel ("vocab");
 - norms, biases of the residual stream and "embed"/"head_dim" axes are replicated.
-The KV cache `[N, page_size, Hkv * D]` is split on its kv-heads axis like k/v projections.
+The KV cache `[N, page_size / f, f * Hkv * D]` is split on its kv-heads axis like k/v
+projections (a row holds f tokens' heads head-major, so the split is by whole heads).
 
 A vocabulary (or MLP hidden) that does not divide by the "model" size is kept replicated on
 that axis rather than padded; head counts must divide (checked by `kv_head_repeats`).
@@ -63,9 +64,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Pages `[N, page_size, Hkv * D]` (kv heads packed along axis 2): every page on every
-    device, axis 2 split into whole kv heads like the k/v projections (the split is even in
-    heads because tensor parallelism divides Hkv, or repeats it: `kv_head_repeats`)."""
+    """Pages `[N, page_size / f, f * Hkv * D]` (kv heads packed along axis 2, head-major when
+    f tokens share a row: `pallas_kernels.kv_quant`): every page on every device, axis 2
+    split into whole kv heads like the k/v projections (the split is even in heads because
+    tensor parallelism divides Hkv, or repeats it: `kv_head_repeats`)."""
     return NamedSharding(mesh, P(None, None, LOGICAL_AXIS_RULES["kv_heads"]))
 
 

@@ -106,7 +106,9 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
         nll, predictions = score(logits, windows)
         row = {"variant": name, "quantization": method, "activations": activations,
                "kv_cache_dtype": kv_cache_dtype, "calculate_kv_scales": calibrated,
-               "kv_bytes_per_token": page_bytes(config, 1, page_dtype(kv_cache_dtype, dtype)),
+               # per token as stored off TPU (on TPU int8 scale runs may be padded)
+               "kv_bytes_per_token": page_bytes(config, 1, page_dtype(kv_cache_dtype, dtype),
+                                                platform="cpu"),
                "weight_bytes": weight_bytes(model), "perplexity": math.exp(nll / predicted),
                "seconds": time.perf_counter() - started}
         if baseline is None:

@@ -84,11 +84,12 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
 def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
                     scan_layers: bool, mesh: Mesh | None = None, platform: str | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
-    `[num_pages, page_size, Hkv * D]`; with `scan_layers` one `(k_pages, v_pages)` pair of
-    `[num_layers * num_pages, page_size, Hkv * D]`, layer l's pages at
-    `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page pool; the attention
-    offsets each layer's page ids). int8 pages add their scale pools `[pages, Hkv *
-    page_size]`, split on kv heads like the pages on `mesh` (None: no shardings); fp8 pages
+    `[num_pages, page_size / f, f * Hkv * D]` (f tokens a row, `kv_quant.tokens_per_row`);
+    with `scan_layers` one `(k_pages, v_pages)` pair of `[num_layers * num_pages, ...]`,
+    layer l's pages at `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page
+    pool; the attention offsets each layer's page ids). int8 pages add their scale pools
+    `[pages, Hkv * S]` (`kv_quant.scale_stride`), split on kv heads like the pages on `mesh`
+    (None: no shardings); fp8 pages
     their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device.
     `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
     many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU)."""

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.aot.plan import compile_program
+import pallas_kernels
+from jaxserve.aot.plan import compile_program, kv_pool_shapes
 from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
 from jaxserve.cli.main import main
 
@@ -130,6 +131,26 @@ def test_a_program_that_copies_the_cache_fails_the_donation_check():
     assert copied.compiled and not copied.cache_donated
     assert donated.compiled and donated.cache_donated
     assert copied.peak_bytes > donated.peak_bytes + cache_bytes // 2  # the copy costs memory
+
+
+def test_the_copy_check_counts_page_pools_and_int8_scale_pools():
+    """`kv_pool_shapes` takes the pages and the int8 scale pools as long as them (not fp8's
+    scales per layer and kv head); a decode program over a 64-float scale row, which XLA:TPU
+    lays out pages-minor, shows the two copies (K's and V's scales) in `cache_copies`."""
+    devices = compile_only_devices(Target("tpu", "v6e", 1))
+    sh = NamedSharding(Mesh(np.array(devices), ("x",)), P())
+    pages = jax.ShapeDtypeStruct((4096, 64, 128), jnp.int8, sharding=sh)
+    scales = jax.ShapeDtypeStruct((4096, 64), jnp.float32, sharding=sh)  # 1 head, unpadded
+    head_scales = jax.ShapeDtypeStruct((2, 64), jnp.float32, sharding=sh)
+    shapes = kv_pool_shapes([(pages, pages, scales, scales), (head_scales,)])
+    assert shapes == {(4096, 64, 128), (4096, 64)}
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, dtype in
+            (((8, 4, 128), jnp.bfloat16), ((8,), jnp.int32), ((8, 16), jnp.int32))]
+    decode = jax.jit(lambda q, lens, table, k, v, ks, vs: pallas_kernels.paged_attention(
+        q, k, v, lens, table, k_scales=ks, v_scales=vs))
+    report = compile_program(decode, args + [pages, pages, scales, scales], "decode", 8, 8,
+                             0, "tpu", pool_shapes=shapes)
+    assert report.compiled and report.cache_copies == 2
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "loop"])

@@ -106,6 +106,8 @@ FOLD_CASES = [  # (generation, page dtype, Hq, Hkv, page_size)
     ("v5e", jnp.bfloat16, 4, 1, 16),
     ("v5e", jnp.bfloat16, 6, 3, 64),
     ("v6e", jnp.int8, 4, 1, 64),
+    ("v6e", jnp.int8, 4, 1, 16),  # [8, 128] int8 pages: fewer rows than an int8 tile's 32
+    ("v5e", jnp.float8_e4m3fn, 4, 1, 16),
 ]
 
 

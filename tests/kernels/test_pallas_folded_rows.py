@@ -35,7 +35,6 @@ def _pools(rng, page_size, num_kv_heads, head_dim, kind):
     values = rng.standard_normal((2, NUM_PAGES, page_size, num_kv_heads, head_dim))
     values = values.astype(np.float32)
     fold = kv_quant.tokens_per_row(page_size, num_kv_heads, head_dim)
-    assert fold > 1
     if kind == "int8":
         codes, scales = kv_quant.quantize_tokens(jnp.asarray(values), jnp.int8)
         stride = kv_quant.scale_stride(page_size, num_kv_heads)
@@ -52,15 +51,18 @@ def _scaled(scales):
     return {} if scales[0] is None else dict(k_scales=scales[0], v_scales=scales[1])
 
 
-@pytest.mark.parametrize("num_kv_heads,page_size,kind,interpret", [
-    (1, 16, jnp.float32, True),
-    (1, 32, jnp.bfloat16, pltpu.InterpretParams(detect_races=True)),
-    (3, 16, jnp.float32, True),  # 192 values: two tokens make 384 lanes
-    (1, 16, "int8", True),
+@pytest.mark.parametrize("num_kv_heads,head_dim,page_size,kind,interpret", [
+    (1, 64, 16, jnp.float32, True),
+    (1, 64, 32, jnp.bfloat16, pltpu.InterpretParams(detect_races=True)),
+    (3, 64, 16, jnp.float32, True),  # 192 values: two tokens make 384 lanes
+    (1, 64, 16, "int8", True),  # folded, scale runs of 128
+    (2, 128, 16, "int8", pltpu.InterpretParams(detect_races=True)),  # runs of 64: head 1 at 64
 ])
-def test_folded_pages_match_the_reference(num_kv_heads, page_size, kind, interpret):
+def test_tpu_layouts_match_the_reference(num_kv_heads, head_dim, page_size, kind, interpret):
+    """Folded pages and padded scale runs, both kernels of both platforms (the Triton ones
+    in interpret mode, as on CPU by default), against the reference on the plain layout."""
     rng = np.random.default_rng(num_kv_heads * page_size)
-    head_dim, group = 64, 2
+    group = 2
     unfolded, folded, scales, padded = _pools(rng, page_size, num_kv_heads, head_dim, kind)
     q_dtype = jnp.float32 if kind == "int8" else kind
     tol = dict(atol=3e-2, rtol=3e-2) if q_dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
@@ -79,12 +81,12 @@ def test_folded_pages_match_the_reference(num_kv_heads, page_size, kind, interpr
     want = reference.ragged_paged_attention(qr, *unfolded, kv_lens, jnp.maximum(table, 0),
                                             cu_q_lens, jnp.array([2], jnp.int32),
                                             **_scaled(scales))
-    got = pk.ragged_paged_attention(qr, *folded, kv_lens, table, cu_q_lens,
-                                    jnp.array([2], jnp.int32), page_size=page_size,
-                                    backend="tpu", interpret=interpret, q_block=8,
-                                    **_scaled(padded))
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               **tol)
+    for options in (dict(backend="tpu", interpret=interpret), {}):
+        got = pk.ragged_paged_attention(qr, *folded, kv_lens, table, cu_q_lens,
+                                        jnp.array([2], jnp.int32), page_size=page_size,
+                                        q_block=8, **_scaled(padded), **options)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   **tol)
 
 
 @pytest.mark.parametrize("num_kv_heads,page_size", [(1, 16), (3, 32)])
@@ -151,29 +153,38 @@ def test_folded_pages_split_over_devices():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-def test_int8_write_into_padded_scale_runs():
+@pytest.mark.parametrize("num_kv_heads,page_size,stride", [(1, 16, 128), (2, 16, 64)])
+def test_int8_write_into_padded_scale_runs(num_kv_heads, page_size, stride):
     """`kv_quant.write` puts token p's scale of head h at h * S + p (S the padded run) and
-    leaves the padding alone; the codes and scales match numpy's absmax / 127 quantization
-    (hand-computed: a row of 127s and one of -2s)."""
-    page_size, num_kv_heads, head_dim = 16, 1, 64
-    stride = kv_quant.scale_stride(page_size, num_kv_heads)  # 128: 16 floats pad to a row
+    leaves the padding alone; the codes and scales match absmax / 127 quantization
+    (hand-computed: head 0 a row of 381s, scale 3; head 1 (if any) one -2, scale 2/127)."""
+    head_dim = 64
+    assert kv_quant.scale_stride(page_size, num_kv_heads) == stride
     fold = kv_quant.tokens_per_row(page_size, num_kv_heads, head_dim)
-    pages = jnp.zeros(kv_quant.page_shape(4, page_size, num_kv_heads, head_dim, fold), jnp.int8)
+    shape = kv_quant.page_shape(4, page_size, num_kv_heads, head_dim, fold)
+    pages = jnp.zeros(shape, jnp.int8)
     scales = jnp.full((4, num_kv_heads * stride), jnp.nan, jnp.float32)
     new = np.zeros((2, num_kv_heads, head_dim), np.float32)
-    new[0] = 127.0 * 3  # scale 3, codes 127
-    new[1, 0, 5] = -2.0  # scale 2/127, code -127 at lane 5
+    new[:, 0] = 127.0 * 3  # head 0: scale 3, codes 127
+    if num_kv_heads == 2:
+        new[:, 1, 5] = -2.0  # head 1: scale 2/127, code -127 at lane 5
     slots = jnp.array([2 * page_size + 9, 1 * page_size + 0], jnp.int32)
     k_pages, _, k_scales, _ = kv_quant.write((pages, pages, scales, scales), jnp.asarray(new),
                                              jnp.asarray(new), slots, page_size)
-    got_scales = np.asarray(k_scales)
-    assert got_scales[2, 9] == 3.0 and np.isclose(got_scales[1, 0], 2.0 / 127)
-    written = np.zeros_like(got_scales, bool)
-    written[2, 9] = written[1, 0] = True
-    assert np.isnan(got_scales[~written]).all()  # the rest untouched
+    got = np.asarray(k_scales)
+    written = np.zeros_like(got, bool)
+    for page, offset in ((2, 9), (1, 0)):
+        assert got[page, offset] == 3.0
+        written[page, offset] = True
+        if num_kv_heads == 2:
+            assert np.isclose(got[page, stride + offset], 2.0 / 127)
+            written[page, stride + offset] = True
+    assert np.isnan(got[~written]).all()  # the rest untouched
     codes = np.asarray(kv_quant.page_heads(k_pages, head_dim, page_size))
-    assert (codes[2, 9] == 127).all() and codes[1, 0, 0, 5] == -127
-    assert np.count_nonzero(codes) == head_dim + 1
+    for page, offset in ((2, 9), (1, 0)):
+        assert (codes[page, offset, 0] == 127).all()
+        assert num_kv_heads == 1 or codes[page, offset, 1, 5] == -127
+    assert np.count_nonzero(codes) == 2 * (head_dim + (num_kv_heads == 2))
 
 
 def test_tokens_per_row_and_scale_stride():
