@@ -197,18 +197,18 @@ def tiny_int8_weight_bytes() -> int:
                                                      ("gpu", "h100", "int8")])
 def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accelerator, kv):
     """int8 weights and an 8-bit KV cache compile for TPU and GPU; weights and pages as
-    computed here from the shapes (int8 pages add a float32 scale per token and head)."""
+    computed here from the shapes (int8 pages add a float32 scale per token and head,
+    padded on TPU: `kv_quant.scale_stride`)."""
     preset = tmp_path / "tiny.toml"
     preset.write_text(PRESET.format(platform=platform, accelerator=accelerator))
-    # 64 pages: with 2 kv heads XLA:TPU relayouts the cache once per call (the TPU kernel's
-    # known limit at 2-4 kv heads, see pallas_kernels/tpu_decode.py), so half the HBM of
-    # pages would not fit twice.
     code, plan = run_plan("--config", preset, "--model", tiny, "--quantization", "int8",
                           "--kv-cache-dtype", kv, "--num-pages", 64)
     assert code == 0, plan["reason"]
     assert plan["quantization"] == "int8" and plan["weights_bytes_per_device"] == \
         tiny_int8_weight_bytes()
-    per_token_head = 128 + (4 if kv == "int8" else 0)
+    # int8 scales: 4 bytes a token and head; on TPU the 2 heads' runs of 16 (32 floats a
+    # page) are padded to 64 each so the row is 128 floats: 16 bytes
+    per_token_head = 128 + ((16 if platform == "tpu" else 4) if kv == "int8" else 0)
     page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * per_token_head
     assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
