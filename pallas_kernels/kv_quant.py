@@ -19,8 +19,10 @@ devices still splits it into whole heads). The row is lane-dense, so XLA passes 
 the kernels as it lies instead of copying it per call, and no lane is padding (RPA v3 pads
 head_dim 64 to 128 instead, doubling such a cache); a head's f parts, stacked, are its
 `page_size` keys in order. Readers take `page_size` to know f.
+
 A layer's cache is a tuple:
-- `(k_pages, v_pages)`, each `[N, page_size, Hkv * D]`, in the compute dtype ("auto");
+- `(k_pages, v_pages)`, each `[N, page_size, Hkv * D]` (or folded, above), in the compute
+  dtype ("auto");
 - `(k_pages, v_pages, k_scale, v_scale)` for "fp8": float8_e4m3fn pages and one float32
   scale per kv head, `[Hkv]` (`[num_layers, Hkv]` for stacked layers): pages hold
   `x / scale` clipped to ±448. The scales are 1 (vLLM's default for an uncalibrated fp8
