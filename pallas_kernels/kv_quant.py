@@ -76,6 +76,11 @@ def page_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
 LANES = 128  # a TPU vector register's lanes: the minor tile of every dtype
 
 
+def _lane_multiple(values: int) -> int:
+    """The fewest copies of a row of `values` that fill whole 128-lane rows."""
+    return LANES // math.gcd(values, LANES)
+
+
 def tokens_per_row(page_size: int, num_kv_heads: int, head_dim: int, num_shards: int = 1,
                    platform: str = "tpu") -> int:
     """How many tokens share a row of a page pool (f above): 1 off TPU, and on TPU where a
@@ -83,7 +88,7 @@ def tokens_per_row(page_size: int, num_kv_heads: int, head_dim: int, num_shards:
     tokens whose values together are (2 for one head of 64), if they divide page_size."""
     if platform != "tpu":
         return 1
-    fold = LANES // math.gcd(num_kv_heads // num_shards * head_dim, LANES)
+    fold = _lane_multiple(num_kv_heads // num_shards * head_dim)
     return fold if page_size % fold == 0 else 1
 
 
@@ -127,7 +132,7 @@ def scale_stride(page_size: int, num_kv_heads: int, num_shards: int = 1,
     of 128: then the smallest multiple of page_size that makes them one."""
     if platform != "tpu":
         return page_size
-    return page_size * (LANES // math.gcd(num_kv_heads // num_shards * page_size, LANES))
+    return page_size * _lane_multiple(num_kv_heads // num_shards * page_size)
 
 
 def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int,
