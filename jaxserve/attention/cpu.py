@@ -43,10 +43,9 @@ class CpuBackend(AttentionBackend):
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
         layer_cache = _write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
-        k_heads, v_heads = (kv_quant.page_heads(x, q.shape[-1], self.page_size)
-                            for x in (k_pages, v_pages))
-        k_pool = cpu_step.PagePool(k_heads, scales[0] if scales else None)
-        v_pool = cpu_step.PagePool(v_heads, scales[1] if scales else None)
+        k_pool, v_pool = (cpu_step.PagePool(pages, scales[i] if scales else None,
+                                            head_dim=q.shape[-1], page_size=self.page_size)
+                          for i, pages in enumerate((k_pages, v_pages)))
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
             k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
         out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, metadata)

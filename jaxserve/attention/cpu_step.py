@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 DECODE_BLOCK_ROWS = 4  # decode rows gathered together; their pages stay in cache
 
 
@@ -103,25 +105,30 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagePool:
-    """The pages of K or of V viewed with their heads apart, `pages [N, page_size, Hkv, D]`
-    (`kv_quant.page_heads` of the stored `[N, page_size, Hkv * D]`), and for int8 pages their
-    scales `[N, Hkv * S]` (`pallas_kernels.kv_quant`)."""
+    """The pages of K or of V as stored, `pages [N, page_size / f, f * Hkv * D]`, and for
+    int8 pages their scales `[N, Hkv * S]` (`pallas_kernels.kv_quant`).
+
+    The pool is only ever viewed with its heads apart (`kv_quant.page_heads`) inside `rows`,
+    that is inside the branches that gather from it. Passed into a `lax.cond`/`switch` as that
+    view instead, the reshape of a just-written pool became a fusion root of its own: XLA:CPU
+    then computed the one-token write (a dynamic-update-slice) twice, each on a copy of the
+    whole pool, every layer and step (batch-1 decode of the 60M bench model: 190 ms a step
+    with 2,049 pages, growing with the pool)."""
 
     pages: jax.Array
     scales: jax.Array | None = None
-
-    @property
-    def page_size(self) -> int:
-        return self.pages.shape[1]
+    head_dim: int = dataclasses.field(default=0, metadata=dict(static=True))
+    page_size: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def rows(self, page_indices):
         """`gather_rows` of these pages, dequantized: `[B, Hkv, P * page_size, D]` (float32
         when scaled, else in the pages' dtype)."""
-        values = gather_rows(self.pages, page_indices)
+        heads = kv_quant.page_heads(self.pages, self.head_dim, self.page_size)  # [N,ps,Hkv,D]
+        values = gather_rows(heads, page_indices)
         if self.scales is None:
             return values
         rows, pages_per_seq = page_indices.shape
-        num_kv_heads = self.pages.shape[2]
+        num_kv_heads = heads.shape[2]
         scales = jnp.take(self.scales, page_indices, axis=0, mode="clip")  # [B, P, Hkv * S]
         scales = scales.reshape(rows, pages_per_seq, num_kv_heads, -1)[..., :self.page_size]
         scales = scales.transpose(0, 2, 1, 3).reshape(rows, num_kv_heads, -1)  # [B, Hkv, P*ps]
