@@ -10,12 +10,12 @@ what warm-up compiles. Each chosen program is traced, lowered for the target's p
 compiled by XLA:TPU / XLA:GPU (Mosaic and Triton compile the Pallas kernels on the way).
 
 What is checked, per device, from each compiled executable's `memory_analysis()`:
-- `cache_donated`: the KV cache input is aliased to its output (alias bytes cover the whole
-  cache), i.e. the step updates pages in place rather than copying the cache;
-- `cache_copies`: no copy instruction in the compiled program produces an array shaped like
-  a page pool on one device, i.e. XLA does not relay the pool out for the attention kernel
-  (a whole-cache copy per layer and step; `pallas_kernels.kv_quant` says which layouts
-  avoid it). Read from the compiled HLO: memory_analysis may not count such a copy;
+- the KV cache guard (`jaxserve.engine.cache_audit`, the same as on CPU): `cache_donated`,
+  the KV cache input aliased to its output (the step updates pages in place);
+  `cache_copies`, no copy of a page pool on one device (e.g. XLA relaying the pool out for the
+  attention kernel; `pallas_kernels.kv_quant` says which layouts avoid it), and
+  `cache_whole_pool_ops`, nothing else producing a whole pool but its one write. Read from
+  the compiled HLO: memory_analysis may not count such a copy;
 - the program's peak, arguments + outputs - aliased + temporaries + code, within the device's
   memory. `fits` holds when the weights plus the cache fit and every program's peak does.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -46,6 +45,8 @@ from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
 from jaxserve.model.config import with_quantization
+from jaxserve.engine import cache_audit
+from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
@@ -70,6 +71,8 @@ class ProgramReport:
     peak_bytes: int = 0
     cache_donated: bool = False
     cache_copies: int = 0  # copy instructions of a whole page pool (relayouts)
+    cache_whole_pool_ops: int = 0  # other instructions producing a whole pool, beyond writes
+    cache_staged: int = 0  # XLA:TPU moving a whole (test-sized) pool into VMEM and back
     error: str | None = None
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
 
@@ -94,32 +97,14 @@ def chosen_programs(runner: Runner, buckets: str) -> list[tuple[str, int, int]]:
     return chosen
 
 
-def kv_pool_shapes(caches) -> set[tuple[int, ...]]:
-    """The per-device shapes of a cache structure's page pools: its 3-D leaves, `[N,
-    page_size / f, f * Hkv * D]`, and int8 pages' scale pools, the 2-D leaves as long as
-    them, `[N, Hkv * S]` (`pallas_kernels.kv_quant`; fp8 scales per kv head are left out)."""
-    leaves = jax.tree.leaves(caches)
-    num_pages = {leaf.shape[0] for leaf in leaves if leaf.ndim == 3}
-    return {tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in leaves
-            if leaf.ndim == 3 or (leaf.ndim == 2 and leaf.shape[0] in num_pages)}
-
-
-def pool_copies(hlo_text: str, shapes) -> int:
-    """Copy instructions in compiled HLO text whose result has one of `shapes`."""
-    if not shapes:
-        return 0
-    dims = "|".join(re.escape(",".join(map(str, shape))) for shape in shapes)
-    return len(re.findall(r"= \w+\[(?:" + dims + r")\]\{[^}]*\} copy\(", hlo_text))
-
-
 def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_bytes: int,
                     platform: str, dump_dir: str | None = None,
-                    pool_shapes=()) -> ProgramReport:
+                    pools: PagePools | None = None) -> ProgramReport:
     """Compile one jitted program for `platform` from abstract `args` and read its needs.
 
     `kv_cache_bytes`: the cache's bytes per device, which must all be aliased for
     `cache_donated`. `dump_dir`: where XLA dumps the compile (GPU kernel resources).
-    `pool_shapes`: the page pools' per-device shapes, whose copies are `cache_copies`."""
+    `pools`: the page pools on one device, audited by `cache_audit` (None: no pools)."""
     report = ProgramReport(name, tokens, seqs)
     started = time.perf_counter()
     try:
@@ -135,8 +120,11 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
     report.peak_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes
                             + memory.generated_code_size_in_bytes)
-    report.cache_donated = memory.alias_size_in_bytes >= kv_cache_bytes
-    report.cache_copies = pool_copies(compiled.as_text(), pool_shapes)
+    found = cache_audit.audit(compiled, pools or PagePools((), ()), kv_cache_bytes)
+    report.cache_donated = found.donated
+    report.cache_copies = found.copies
+    report.cache_whole_pool_ops = found.whole_pool_ops
+    report.cache_staged = found.staged
     return report
 
 
@@ -236,7 +224,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
     reports = []
     programs = chosen_programs(runner, buckets)
-    pool_shapes = kv_pool_shapes(runner.caches)
+    pools = PagePools.of(runner.caches, stored.num_layers)
     result["warm_up_programs"] = len(runner.bucket_programs())  # per replica, at serve time
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
                                    unit="program", disable=not progress):
@@ -244,7 +232,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         with tempfile.TemporaryDirectory() as dump:
             dump_dir = dump if verbose and target.platform == "gpu" else None
             report = compile_program(jitted, args, kind, tokens, seqs, kv_bytes,
-                                     target.lowering_platform, dump_dir, pool_shapes)
+                                     target.lowering_platform, dump_dir, pools)
             if dump_dir and report.compiled:
                 report.kernels = gpu_kernels.triton_kernel_resources(dump_dir)
         reports.append(report)
@@ -268,14 +256,10 @@ def _failure(reports: list[ProgramReport], resident: int, hbm: int,
     for r in reports:
         if not r.compiled:
             return f"program {r.name} ({r.tokens} tokens, {r.seqs} seqs) failed: {r.error}"
-        if not r.cache_donated:
-            return f"program {r.name} ({r.tokens}, {r.seqs}) copies the KV cache (not donated)"
-        if r.cache_copies:
-            return (f"program {r.name} ({r.tokens}, {r.seqs}) has {r.cache_copies} copy "
-                    "instruction(s) of a whole KV page pool or int8 scale pool: most likely "
-                    "XLA relaying it out for the attention kernel (on TPU: a page or scale "
-                    "row per device not a multiple of 128 lanes; see "
-                    "pallas_kernels/kv_quant.py)")
+        problem = cache_audit.CacheAudit(r.cache_donated, r.cache_copies,
+                                         r.cache_whole_pool_ops).problem()
+        if problem:
+            return f"program {r.name} ({r.tokens}, {r.seqs}) {problem}"
         if in_use + r.peak_bytes > hbm:
             return (f"program {r.name} ({r.tokens}, {r.seqs}) needs {r.peak_bytes / GIB:.2f} "
                     f"GiB per device of {hbm / GIB:.2f}{note}")

@@ -40,7 +40,9 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
                      f"{p['compile_seconds']:>9.1f} {_gib(p['temp_bytes']):>10} "
                      f"{_gib(p['peak_bytes']):>10}  {'yes' if p['cache_donated'] else 'NO'}"
                      + (f", copies a page pool {p['cache_copies']}x" if p.get("cache_copies")
-                        else ""))
+                        else "")
+                     + (f", {p['cache_whole_pool_ops']} other whole-pool op(s)"
+                        if p.get("cache_whole_pool_ops") else ""))
         for k in (p.get("kernels") or []) if verbose else []:
             lines.append(
                 f"      {k['name']}: grid {k['grid']}, threads {k['threads'][0]}, "

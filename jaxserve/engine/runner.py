@@ -40,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import os
 import time
 
@@ -53,6 +54,7 @@ from tqdm.auto import tqdm
 import sharding
 
 from jaxserve.attention import PagedBatch, make_backend
+from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
@@ -291,6 +293,15 @@ class Runner:
             self._compiled[bucket] = compile_shared(key, build)
             self._program_keys[bucket] = key
         return self._compiled[bucket]
+
+    def cache_audits(self) -> dict[tuple[str, int, int], CacheAudit]:
+        """`cache_audit.audit` of every program compiled so far, by bucket: whether each
+        updates the KV cache in place and touches no whole page pool beyond its write."""
+        pools = PagePools.of(self.caches, self.model_config.num_layers)
+        cache_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                          for leaf in jax.tree.leaves(self.caches))
+        return {bucket: audit(compiled, pools, cache_bytes)
+                for bucket, compiled in self._compiled.items()}
 
     @property
     def programs_from_store(self) -> int:

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels
-from jaxserve.aot.plan import compile_program, kv_pool_shapes
+from jaxserve.aot.plan import compile_program
+from jaxserve.engine.cache_audit import PagePools
 from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
 from jaxserve.cli.main import main
 
@@ -41,7 +42,7 @@ max_num_seqs = 8
 max_num_batched_tokens = 64
 num_decode_steps = 4
 token_buckets = [16, 64]
-seq_buckets = [2, 8]
+seq_buckets = [1, 8]
 """
 
 
@@ -71,7 +72,7 @@ def tiny_weight_bytes() -> int:
 def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
     preset = tmp_path / "tiny.toml"
     preset.write_text(PRESET.format(platform=platform, accelerator=accelerator))
-    code, plan = run_plan("--config", preset, "--model", tiny, "--verbose")
+    code, plan = run_plan("--config", preset, "--model", tiny, "--verbose", "--buckets", "all")
     assert code == 0, plan["reason"]
     assert plan["fits"] and plan["platform"] == platform and plan["devices"] == 1
     if platform == "tpu":
@@ -87,10 +88,11 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
     assert plan["kv_cache_bytes_per_device"] == pages * page
     assert plan["max_concurrent_tokens"] == (pages - 1) * 16
     shapes = [(p["name"], p["tokens"], p["seqs"]) for p in plan["programs"]]
-    assert shapes == [("step", 16, 2), ("step", 64, 8), ("decode", 2, 2), ("decode", 8, 8)]
-    for program in plan["programs"]:
+    assert shapes == [("step", 16, 1), ("step", 16, 8), ("step", 64, 1), ("step", 64, 8),
+                      ("decode", 1, 1), ("decode", 8, 8)]
+    for program in plan["programs"]:  # every bucket: the cache guard (`cache_audit`) holds
         assert program["compiled"] and program["cache_donated"], program
-        assert program["cache_copies"] == 0, program
+        assert program["cache_copies"] == program["cache_whole_pool_ops"] == 0, program
         assert program["compile_seconds"] > 0
         assert program["peak_bytes"] >= plan["weights_bytes_per_device"] + pages * page
     assert plan["max_temp_bytes_per_device"] == max(p["temp_bytes"] for p in plan["programs"])
@@ -98,7 +100,7 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
         # a mixed step runs both kernels, the decode loop only the decode kernel
         names = [sorted(k["name"] for k in p["kernels"]) for p in plan["programs"]]
         assert names[0] == ["decode_attention_triton", "prefill_attention_triton"]
-        assert names[2] == ["decode_attention_triton"]
+        assert names[4] == ["decode_attention_triton"]
         for kernel in plan["programs"][0]["kernels"]:
             assert 0 < kernel["registers"] <= 255 and kernel["spill_store_bytes"] >= 0
             assert 0 < kernel["shared_memory_bytes"] <= 232448
@@ -134,7 +136,7 @@ def test_a_program_that_copies_the_cache_fails_the_donation_check():
 
 
 def test_the_copy_check_counts_page_pools_and_int8_scale_pools():
-    """`kv_pool_shapes` takes the pages and the int8 scale pools as long as them (not fp8's
+    """`PagePools.of` takes the pages and the int8 scale pools as long as them (not fp8's
     scales per layer and kv head); a decode program over a 64-float scale row, which XLA:TPU
     lays out pages-minor, shows the two copies (K's and V's scales) in `cache_copies`."""
     devices = compile_only_devices(Target("tpu", "v6e", 1))
@@ -142,14 +144,14 @@ def test_the_copy_check_counts_page_pools_and_int8_scale_pools():
     pages = jax.ShapeDtypeStruct((4096, 64, 128), jnp.int8, sharding=sh)
     scales = jax.ShapeDtypeStruct((4096, 64), jnp.float32, sharding=sh)  # 1 head, unpadded
     head_scales = jax.ShapeDtypeStruct((2, 64), jnp.float32, sharding=sh)
-    shapes = kv_pool_shapes([(pages, pages, scales, scales), (head_scales,)])
-    assert shapes == {(4096, 64, 128), (4096, 64)}
+    pools = PagePools.of([(pages, pages, scales, scales), (head_scales,)], num_layers=1)
+    assert set(pools.shapes) == {(4096, 64, 128), (4096, 64)} and len(pools.shapes) == 4
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, dtype in
             (((8, 4, 128), jnp.bfloat16), ((8,), jnp.int32), ((8, 16), jnp.int32))]
     decode = jax.jit(lambda q, lens, table, k, v, ks, vs: pallas_kernels.paged_attention(
         q, k, v, lens, table, k_scales=ks, v_scales=vs))
     report = compile_program(decode, args + [pages, pages, scales, scales], "decode", 8, 8,
-                             0, "tpu", pool_shapes=shapes)
+                             0, "tpu", pools=pools)
     assert report.compiled and report.cache_copies == 2
 
 

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
-from jaxserve.aot.plan import pool_copies
+from jaxserve.engine.cache_audit import PagePools, pool_instructions
 from pallas_kernels import kv_quant
 from jaxserve.aot.targets import Target, compile_only_devices
 
@@ -56,6 +56,11 @@ def _compile(fn, target, *args):
     return compiled
 
 
+def pool_copies(compiled, pools) -> int:
+    """Copy instructions of any of `pools` (arrays with shardings) in a compiled program."""
+    return pool_instructions(compiled.as_text(), PagePools.exactly(pools)).count("copy")
+
+
 @pytest.mark.parametrize("target,shape", CASES,
                          ids=[f"{t.accelerator}-{i // 2}" for i, (t, _) in enumerate(CASES)])
 def test_kernels_compile(target, shape):
@@ -65,7 +70,7 @@ def test_kernels_compile(target, shape):
     decode = _compile(lambda *x: pk.paged_attention(*x, **opts), target,
                       a["q"], a["pages"], a["pages"], a["kv_lens"], a["table"])
     # every grid row (kv heads x head_dim) is a multiple of 128: no relayout of the pool
-    assert pool_copies(decode.as_text(), [a["pages"].shape]) == 0
+    assert pool_copies(decode, [a["pages"]]) == 0
     # the output buffer is at least [B, Hq, D] (TPU tiling may pad it)
     assert decode.memory_analysis().output_size_in_bytes >= NUM_SEQS * hq * d * jnp.dtype(
         dtype).itemsize
@@ -73,7 +78,7 @@ def test_kernels_compile(target, shape):
     ragged = _compile(lambda *x: pk.ragged_paged_attention(*x, **opts), target, a["q"],
                       a["pages"], a["pages"], a["kv_lens"], a["table"], a["cu_q_lens"],
                       a["num_seqs"])
-    assert pool_copies(ragged.as_text(), [a["pages"].shape]) == 0
+    assert pool_copies(ragged, [a["pages"]]) == 0
 
 
 ENGINE_TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "h200", 1)]
@@ -95,7 +100,7 @@ def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, 
                         pages, s((batch,), jnp.int32), s((batch, pages_per_seq), jnp.int32))
     cache_bytes = 2 * num_pages * 16 * hkv * d * 2
     assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
-    assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout
+    assert pool_copies(compiled, [pages]) == 0  # no relayout
 
 
 # Rows under 128 lanes on TPU (one kv head of 64 per device; 3 heads of 64): stored one token a
@@ -131,7 +136,7 @@ def test_folded_rows_compile_without_copying_the_cache(generation, dtype, hq, hk
             target, s((TOKENS, hq, d), q_dtype), pages, pages, s((NUM_SEQS,), jnp.int32),
             s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32), s((NUM_SEQS + 1,), jnp.int32),
             s((1,), jnp.int32), *scales)
-        copies[fold] = pool_copies(compiled.as_text(), [pages.shape])
+        copies[fold] = pool_copies(compiled, [pages])
     assert copies == {1: 2, 2: 0}  # K and V copied one token a row; neither folded
 
 
@@ -151,7 +156,7 @@ def test_int8_scale_runs_padded_on_tpu_are_not_copied():
             q, k, v, lens, t, k_scales=ks, v_scales=vs), target,
             s((NUM_SEQS, 4, d), jnp.bfloat16), pages, pages, s((NUM_SEQS,), jnp.int32),
             s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32), scales, scales)
-        copies[stride] = pool_copies(compiled.as_text(), [scales.shape])
+        copies[stride] = pool_copies(compiled, [scales])
     assert copies == {64: 2, 128: 0}
 
 
@@ -203,5 +208,5 @@ def test_quantized_pages_compile(target, kind, hq, hkv, page_size, d):
                       s((NUM_SEQS + 1,), jnp.int32), s((1,), jnp.int32), *scales)
     for compiled in (decode, ragged):
         assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
-        assert pool_copies(compiled.as_text(), [pages.shape]) == 0  # no relayout of pages
-        assert pool_copies(compiled.as_text(), [x.shape for x in scales]) == 0  # nor scales
+        assert pool_copies(compiled, [pages]) == 0  # no relayout of pages
+        assert pool_copies(compiled, scales) == 0  # nor scales

@@ -1,0 +1,148 @@
+"""What a compiled program does with the KV cache, read from its optimized HLO: the guard that a
+step's cost cannot grow with the size of the page pool.
+
+A step writes a few tokens into each page pool and reads the pages its rows own, so nothing in
+it should touch a whole pool but the one in-place write. Two kinds of instruction break that
+and cost a pass over every page, every layer and step, whatever the batch:
+- a `copy` of a pool (a relayout for a kernel, or copy insertion around control flow);
+- any other instruction, outside fusions, whose result is a whole pool beyond the pool's one
+  write: e.g. the write computed twice because a fused view of it fed a `lax.switch`
+  (XLA:CPU did this for one-row decode until the CPU backend stopped passing that view).
+Both are counted on the program as compiled for its platform (CPU here; TPU and GPU in
+`jaxserve plan`), for every bucket. Donation is checked from `memory_analysis()`: the whole
+cache must be aliased from input to output.
+
+Not counted as either: XLA:TPU's memory-space assignment staging a whole pool in VMEM and back
+(`copy-start`/`copy-done`), which it does only for a pool that fits there (tens of MB: test-sized
+caches, never a deployment's); `staged` reports them.
+
+A pool is recognised by its dtype, its number of pages leading and its element count (so any
+view of it: `[N, ps, Hkv * D]` or `[N, ps, Hkv, D]`); for stacked layers (`[L * N, ...]`)
+one layer's slice counts too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+# Instructions that name or pass a buffer on without computing it.
+_PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+                 "call", "opt-barrier", "async-start", "async-done", "async-update",
+                 "custom-call"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_FUSED = re.compile(r"\bfusion\(.*calls=%([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagePools:
+    """One device's page pools: the cache's 3-D leaves (`[N, page_size / f, f * Hkv * D]`)
+    and int8 pages' scale pools (2-D leaves as long as them); `layers`: layers sharing each
+    pool (1 per layer, L when stacked)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    layers: int = 1
+
+    @classmethod
+    def of(cls, caches, num_layers: int) -> "PagePools":
+        """The pools of a cache pytree (arrays or `ShapeDtypeStruct`s with shardings)."""
+        leaves = jax.tree.leaves(caches)
+        lengths = {leaf.shape[0] for leaf in leaves if leaf.ndim == 3}
+        pools = [leaf for leaf in leaves
+                 if leaf.ndim == 3 or (leaf.ndim == 2 and leaf.shape[0] in lengths)]
+        stacked = sum(leaf.ndim == 3 for leaf in pools) == 2  # one K and one V pool
+        return cls(tuple(tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in pools),
+                   tuple(np.dtype(leaf.dtype).name for leaf in pools),
+                   num_layers if stacked and num_layers > 1 else 1)
+
+    @classmethod
+    def exactly(cls, arrays) -> "PagePools":
+        """`arrays` (with shardings) taken as the pools, whatever their rank."""
+        return cls(tuple(tuple(a.sharding.shard_shape(a.shape)) for a in arrays),
+                   tuple(np.dtype(a.dtype).name for a in arrays))
+
+    def sizes(self) -> set[tuple[str, int, int]]:
+        """(HLO element type, pages, element count) of a whole pool, and of one layer's
+        slice: how an array that is (a view of) one is recognised."""
+        out = set()
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            count = math.prod(shape)
+            out.add((_hlo_type(dtype), shape[0], count))
+            if self.layers > 1:
+                out.add((_hlo_type(dtype), shape[0] // self.layers, count // self.layers))
+        return out
+
+
+@dataclasses.dataclass
+class CacheAudit:
+    """What one compiled program does to the page pools."""
+
+    donated: bool  # every cache byte aliased from input to output
+    copies: int  # copy instructions producing a whole pool
+    whole_pool_ops: int  # instructions producing a whole pool beyond each pool's one write
+    staged: int = 0  # memory-space moves of a whole pool (XLA:TPU, pools that fit VMEM)
+    opcodes: list[str] = dataclasses.field(default_factory=list)  # all producing a pool
+
+    @property
+    def ok(self) -> bool:
+        return self.donated and not self.copies and not self.whole_pool_ops
+
+    def problem(self) -> str | None:
+        """What is wrong, in a sentence, or None."""
+        if not self.donated:
+            return "copies the KV cache (its input is not aliased to its output: not donated)"
+        if self.copies:
+            return (f"has {self.copies} copy instruction(s) of a whole KV page pool or int8 "
+                    "scale pool (on TPU most likely a relayout for the kernel: a page or scale "
+                    "row per device not a multiple of 128 lanes, see "
+                    "pallas_kernels/kv_quant.py)")
+        if self.whole_pool_ops:
+            return (f"has {self.whole_pool_ops} instruction(s) producing a whole KV page pool "
+                    "besides each pool's one in-place write (a step that touches every page)")
+        return None
+
+
+def pool_instructions(hlo_text: str, pools: PagePools) -> list[str]:
+    """The opcodes of the instructions outside fusions whose result is a whole pool (its
+    writes, copies and anything else computing one), in program order."""
+    sizes = pools.sizes()
+    fused = set(_FUSED.findall(hlo_text))
+    found = []
+    inside_fusion = False
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            inside_fusion = header.group(1) in fused
+            continue
+        match = None if inside_fusion else _INSTRUCTION.match(line)
+        if not match:
+            continue
+        element, dims, opcode = match.groups()
+        shape = [int(d) for d in dims.split(",")] if dims else [1]
+        if (element, shape[0], math.prod(shape)) in sizes and opcode not in _PASS_THROUGH:
+            found.append(opcode)
+    return found
+
+
+def audit(compiled: jax.stages.Compiled, pools: PagePools, cache_bytes: int) -> CacheAudit:
+    """`CacheAudit` of a compiled program; `cache_bytes`: the cache's bytes on one device."""
+    found = pool_instructions(compiled.as_text(), pools)
+    donated = compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
+    staged = found.count("copy-done")
+    computed = len(found) - staged
+    return CacheAudit(donated, found.count("copy"), max(0, computed - len(pools.shapes)),
+                      staged, found)
+
+
+def _hlo_type(dtype: str) -> str:
+    """numpy dtype name → HLO element type (float32 → f32, int8 → s8, ...)."""
+    names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8",
+             "uint8": "u8", "int32": "s32", "float8_e4m3fn": "f8e4m3fn",
+             "float8_e5m2": "f8e5m2"}
+    return names.get(dtype, dtype)
