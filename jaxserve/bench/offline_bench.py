@@ -1,24 +1,32 @@
-"""`jaxserve bench offline`: generation throughput of jaxserve against Hugging Face
-`transformers` on the same weights, in one run, plus the batch-1 decode roofline.
+"""`jaxserve bench offline`: generation throughput of jaxserve beside vLLM and Hugging Face
+`transformers` on the same weights and prompts, in one run, the way users run them: default
+options, one request at a time and many at once, uniform and ragged prompts.
 
 Without `--model` it builds a random Llama of about 60M parameters (hidden 512, 8 layers,
-8 heads, 4 kv heads, vocab 32000) with `transformers` and saves it as a model folder. It
-generates `--output-len` tokens (eos ignored) for `--num-prompts` prompts of random lengths
-in [`--min-prompt-len`, `--max-prompt-len`]:
-- concurrency 1: requests one after another (the first `--sequential-prompts` prompts);
-- concurrency N: all prompts submitted at once, the engine batching up to `--max-num-seqs`;
-- transformers `generate` at batch 1 and at batch `--max-num-seqs` (left padding).
-Both sides decode greedily, or with `--temperature T` both sample at T over the whole
-vocabulary (`SamplingParams()`'s default is T = 1).
+8 heads, 4 kv heads, vocab 32000) with `transformers` and saves it as a model folder. Four
+workloads, each generating `--output-len` tokens per prompt (eos ignored):
+- `batch 1 uniform` / `batch 1 ragged`: `--sequential-prompts` prompts one after another,
+  of `--prompt-len` tokens or of random lengths in [`--min-prompt-len`, `--max-prompt-len`];
+- `batch N uniform` / `batch N ragged`: `--num-prompts` such prompts submitted at once
+  (transformers: in batches of `--num-prompts`, left-padded).
+Engines: jaxserve (engine options as `LLM` takes them, none by default); transformers
+`generate` (`--no-hf` skips it); vLLM with `--baseline vllm`, run by `--vllm-python` (an
+interpreter with vLLM, e.g. its own virtual environment) on its default options plus
+`--vllm-option`s (on CPU vLLM reserves `gpu_memory_utilization` of the host's memory and
+refuses to start when that is not free: 0.5 unless given). All decode greedily, or all sample
+at `--temperature` over the whole vocabulary.
 The roofline: bytes of weights read per decode step divided by a read bandwidth measured in
-the same run (a jitted reduction over a large array); the batch-1 decode step time is
-compared with it. Needs the `bench` extra (torch, transformers).
+the same run (a jitted reduction over a large array), beside jaxserve's batch-1 decode step.
+Needs the `bench` extra (torch, transformers).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,19 +38,26 @@ import numpy as np
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model folder (default: random ~60M)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="prompts submitted at once in the batch-N workloads")
     parser.add_argument("--sequential-prompts", type=int, default=8,
-                        help="prompts timed at concurrency 1 (each side)")
+                        help="prompts run one after another in the batch-1 workloads")
+    parser.add_argument("--prompt-len", type=int, default=128, help="uniform prompts' length")
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy on both sides (default); above 0: both sample at this "
-                             "temperature over the whole vocabulary (1.0 is SamplingParams' "
-                             "default, what a user gets without options)")
+                        help="0: greedy everywhere (default); above 0: every engine samples at "
+                             "this temperature over the whole vocabulary")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
+    parser.add_argument("--baseline", choices=["vllm"], action="append", default=[],
+                        help="also run this engine on the same prompts")
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="the Python that runs the vLLM baseline (default: this one)")
+    parser.add_argument("--vllm-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a vLLM engine argument (repeatable; default: "
+                             "gpu_memory_utilization=0.5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an engine option for jaxserve, e.g. num_decode_steps=16 or "
@@ -56,7 +71,7 @@ def parse_engine_options(pairs: list[str]) -> dict:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise ValueError(f"--engine-option must be NAME=VALUE, got {pair!r}")
+            raise ValueError(f"options must be NAME=VALUE, got {pair!r}")
         try:
             options[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -95,41 +110,61 @@ def measure_read_bandwidth(megabytes: int = 512) -> float:
     return data.nbytes / best
 
 
-def _jaxserve_runs(folder: str, prompts: list[list[int]], args) -> dict:
+def workloads(args, rng: np.random.Generator) -> dict[str, dict]:
+    """The four workloads: name → {"prompts": token id lists, "batch": 1 or N}."""
+    def prompts(count: int, ragged: bool) -> list[list[int]]:
+        lengths = (rng.integers(args.min_prompt_len, args.max_prompt_len + 1, count) if ragged
+                   else [args.prompt_len] * count)
+        return [rng.integers(3, 1000, int(n)).tolist() for n in lengths]
+
+    n = args.num_prompts
+    return {"batch 1 uniform": {"prompts": prompts(args.sequential_prompts, False), "batch": 1},
+            "batch 1 ragged": {"prompts": prompts(args.sequential_prompts, True), "batch": 1},
+            f"batch {n} uniform": {"prompts": prompts(n, False), "batch": n},
+            f"batch {n} ragged": {"prompts": prompts(n, True), "batch": n}}
+
+
+def _timed(name: str, work: dict, output_len: int, run_one, run_all) -> float:
+    """Output tokens/s of one workload: its prompts one by one (batch 1) or all at once."""
+    start = time.perf_counter()
+    if work["batch"] == 1:
+        for prompt in work["prompts"]:
+            run_one(prompt)
+    else:
+        run_all(work["prompts"])
+    rate = len(work["prompts"]) * output_len / (time.perf_counter() - start)
+    print(f"  {name}: {rate:.1f} output tokens/s", flush=True)
+    return rate
+
+
+def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     from jaxserve import LLM, SamplingParams
 
     options = parse_engine_options(args.engine_option)
-    print(f"jaxserve engine options: {options or 'defaults'}", flush=True)
+    print(f"jaxserve (engine options: {options or 'defaults'}; warm-up compiles every "
+          "bucket first) ...", flush=True)
     llm = LLM(folder, dtype=args.dtype, **options)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True, seed=args.seed)
-    as_ids = [{"prompt_token_ids": p} for p in prompts]
-    start = time.perf_counter()
-    step_times = []
-    for prompt in as_ids[:args.sequential_prompts]:
-        seq_start = time.perf_counter()
-        llm.generate(prompt, params)
-        step_times.append(time.perf_counter() - seq_start)
-    sequential = time.perf_counter() - start
+    generate = lambda prompts: llm.generate(  # noqa: E731
+        [{"prompt_token_ids": p} for p in prompts], params)
+    rates = {name: _timed(name, w, args.output_len, lambda p: generate([p]), generate)
+             for name, w in work.items()}
     engine = llm.engine
-    seq = engine.add_request("roofline", prompts[0], params)
+    seq = engine.add_request("roofline", next(iter(work.values()))["prompts"][0], params)
     while engine.has_unfinished():
         engine.step()
     decode_step = (seq.times.last_token - seq.times.first_token) / (args.output_len - 1)
-    start = time.perf_counter()
-    llm.generate(as_ids, params)
-    batched = time.perf_counter() - start
     weights = sum(np.prod(x.shape) * x.dtype.itemsize
                   for x in jax.tree.leaves(engine.runner.state))
-    return {"c1_tokens_per_s": args.sequential_prompts * args.output_len / sequential,
-            "cN_tokens_per_s": len(prompts) * args.output_len / batched,
-            "decode_step_s": decode_step, "weight_bytes": int(weights)}
+    return {"rates": rates, "decode_step_s": decode_step, "weight_bytes": int(weights)}
 
 
-def _hf_runs(folder: str, prompts: list[list[int]], args) -> dict:
+def _hf_runs(folder: str, work: dict[str, dict], args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    print("transformers generate ...", flush=True)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
@@ -144,17 +179,28 @@ def _hf_runs(folder: str, prompts: list[list[int]], args) -> dict:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, **kwargs)
 
-    run(prompts[:1])  # warm-up
-    start = time.perf_counter()
-    for prompt in prompts[:args.sequential_prompts]:
-        run([prompt])
-    sequential = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(0, len(prompts), args.max_num_seqs):
-        run(prompts[i:i + args.max_num_seqs])
-    batched = time.perf_counter() - start
-    return {"c1_tokens_per_s": args.sequential_prompts * args.output_len / sequential,
-            "cN_tokens_per_s": len(prompts) * args.output_len / batched}
+    run(next(iter(work.values()))["prompts"][:1])  # warm-up
+    return {"rates": {name: _timed(name, w, args.output_len, lambda p: run([p]), run)
+                      for name, w in work.items()}}
+
+
+def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
+    """vLLM's rates from `vllm_baseline.py` run by `--vllm-python` (its progress on stderr)."""
+    print(f"vLLM (run by {args.vllm_python}) ...", flush=True)
+    options = parse_engine_options(args.vllm_option) or {"gpu_memory_utilization": 0.5}
+    spec = scratch / "vllm_spec.json"
+    spec.write_text(json.dumps({
+        "model": folder, "dtype": args.dtype, "output_len": args.output_len,
+        "temperature": args.temperature, "seed": args.seed, "options": options,
+        "workloads": work}))
+    script = Path(__file__).with_name("vllm_baseline.py")
+    done = subprocess.run([args.vllm_python, str(script), str(spec)], stdout=subprocess.PIPE,
+                          text=True)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not results:
+        raise RuntimeError(f"the vLLM baseline failed (exit {done.returncode}); its stderr "
+                           "above says why")
+    return {"rates": json.loads(results[-1][len("RESULT "):])}
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -165,27 +211,28 @@ def run_from_args(args: argparse.Namespace) -> int:
             folder = str(Path(scratch) / "random-llama-60m")
             print("building a random ~60M-parameter Llama with transformers ...", flush=True)
             build_random_model(Path(folder))
-        lengths = rng.integers(args.min_prompt_len, args.max_prompt_len + 1, args.num_prompts)
-        prompts = [rng.integers(3, 1000, n).tolist() for n in lengths]
+        work = workloads(args, rng)
         bandwidth = measure_read_bandwidth()
         print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
-        print("jaxserve (warm-up compiles every bucket first) ...", flush=True)
-        ours = _jaxserve_runs(folder, prompts, args)
-        hf = None if args.no_hf else _hf_runs(folder, prompts, args)
-    n = args.max_num_seqs
-    print(f"\n{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, "
-          f"{args.output_len} new tokens each, {args.dtype}, "
-          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, "
-          f"on {jax.devices()[0].platform}")
-    print(f"{'':<26}{'concurrency 1':>16}{f'concurrency {n}':>18}   (output tokens/s)")
-    print(f"{'jaxserve':<26}{ours['c1_tokens_per_s']:>16.1f}{ours['cN_tokens_per_s']:>18.1f}")
-    if hf:
-        print(f"{'transformers generate':<26}{hf['c1_tokens_per_s']:>16.1f}"
-              f"{hf['cN_tokens_per_s']:>18.1f}")
-        print(f"{'ratio':<26}{ours['c1_tokens_per_s'] / hf['c1_tokens_per_s']:>15.2f}x"
-              f"{ours['cN_tokens_per_s'] / hf['cN_tokens_per_s']:>17.2f}x")
+        ours = _jaxserve_runs(folder, work, args)
+        engines = {"jaxserve": ours}
+        if "vllm" in args.baseline:
+            engines["vLLM"] = _vllm_runs(folder, work, args, Path(scratch))
+        if not args.no_hf:
+            engines["transformers"] = _hf_runs(folder, work, args)
+    print(f"\n{args.output_len} new tokens per prompt, {args.dtype}, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, on "
+          f"{jax.devices()[0].platform}; uniform prompts of {args.prompt_len} tokens, ragged "
+          f"of {args.min_prompt_len}-{args.max_prompt_len}; output tokens/s")
+    print(f"{'':<16}" + "".join(f"{name:>18}" for name in work))
+    for engine, result in engines.items():
+        print(f"{engine:<16}" + "".join(f"{result['rates'][name]:>18.1f}" for name in work))
+    for engine, result in engines.items():
+        if engine != "jaxserve":
+            print(f"{'jaxserve/' + engine:<16}" + "".join(
+                f"{ours['rates'][name] / result['rates'][name]:>17.2f}x" for name in work))
     roofline = ours["weight_bytes"] / bandwidth
-    print(f"batch-1 decode step: {ours['decode_step_s'] * 1e3:.2f} ms; roofline "
+    print(f"jaxserve batch-1 decode step: {ours['decode_step_s'] * 1e3:.2f} ms; roofline "
           f"{ours['weight_bytes'] / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s = "
           f"{roofline * 1e3:.2f} ms -> {roofline / ours['decode_step_s']:.0%} of roofline")
     return 0

@@ -7,7 +7,8 @@
     jaxserve bench serve --url URL --max-concurrency 1 4 16 --slo-ttft 2000 --slo-tpot 200 \
         --cost-per-hour 2 --plot sweep.png
     jaxserve bench startup [--model PATH] [--starts 2] [--no-baseline]
-    jaxserve bench offline [--model PATH]
+    jaxserve bench offline [--model PATH] [--baseline vllm --vllm-python PYTHON]
+    jaxserve bench pool [--model PATH] [--num-pages 256 2048 default]
     jaxserve bench structured [--model PATH]
     jaxserve bench models [--model PATH]
     jaxserve bench quality [--model PATH] [--text FILE]
@@ -341,12 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (load_bench, models_bench, offline_bench, quality_bench,
-                                serve_bench, startup_bench, structured_bench)
+    from jaxserve.bench import (load_bench, models_bench, offline_bench, pool_bench,
+                                quality_bench, serve_bench, startup_bench, structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
-        "offline": (offline_bench, "generation throughput vs transformers, decode roofline"),
+        "offline": (offline_bench, "generation throughput at batch 1 and N beside "
+                                   "transformers (and vLLM), decode roofline"),
+        "pool": (pool_bench, "a single request's decode step at several KV pool sizes "
+                             "(must be flat)"),
         "structured": (structured_bench,
                        "structured output's cost: free vs constrained requests"),
         "models": (models_bench, "several models in one server: a quiet model's TTFT while "
