@@ -124,17 +124,20 @@ def workloads(args, rng: np.random.Generator) -> dict[str, dict]:
             f"batch {n} ragged": {"prompts": prompts(n, True), "batch": n}}
 
 
-def _timed(name: str, work: dict, output_len: int, run_one, run_all) -> float:
-    """Output tokens/s of one workload: its prompts one by one (batch 1) or all at once."""
+def _timed(name: str, work: dict, output_len: int, run_one, run_all,
+           results: dict) -> None:
+    """Times one workload, its prompts one by one (batch 1) or all at once, into
+    `results["rates"][name]` (output tokens/s) and `results["tokens"][name]` (each prompt's
+    generated ids, for the agreement check)."""
     start = time.perf_counter()
     if work["batch"] == 1:
-        for prompt in work["prompts"]:
-            run_one(prompt)
+        tokens = [run_one(prompt) for prompt in work["prompts"]]
     else:
-        run_all(work["prompts"])
+        tokens = run_all(work["prompts"])
     rate = len(work["prompts"]) * output_len / (time.perf_counter() - start)
     print(f"  {name}: {rate:.1f} output tokens/s", flush=True)
-    return rate
+    results.setdefault("rates", {})[name] = rate
+    results.setdefault("tokens", {})[name] = [list(map(int, t)) for t in tokens]
 
 
 def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
@@ -146,10 +149,14 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     llm = LLM(folder, dtype=args.dtype, **options)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True, seed=args.seed)
-    generate = lambda prompts: llm.generate(  # noqa: E731
-        [{"prompt_token_ids": p} for p in prompts], params)
-    rates = {name: _timed(name, w, args.output_len, lambda p: generate([p]), generate)
-             for name, w in work.items()}
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [out.outputs[0].token_ids for out in outputs]
+
+    results = {}
+    for name, w in work.items():
+        _timed(name, w, args.output_len, lambda p: generate([p])[0], generate, results)
     engine = llm.engine
     seq = engine.add_request("roofline", next(iter(work.values()))["prompts"][0], params)
     while engine.has_unfinished():
@@ -157,7 +164,7 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     decode_step = (seq.times.last_token - seq.times.first_token) / (args.output_len - 1)
     weights = sum(np.prod(x.shape) * x.dtype.itemsize
                   for x in jax.tree.leaves(engine.runner.state))
-    return {"rates": rates, "decode_step_s": decode_step, "weight_bytes": int(weights)}
+    return {**results, "decode_step_s": decode_step, "weight_bytes": int(weights)}
 
 
 def _hf_runs(folder: str, work: dict[str, dict], args) -> dict:
@@ -172,16 +179,18 @@ def _hf_runs(folder: str, work: dict[str, dict], args) -> dict:
     if args.temperature > 0:  # the whole vocabulary, as jaxserve's rows (HF's default is 50)
         kwargs.update(temperature=args.temperature, top_k=0, top_p=1.0)
 
-    def run(batch: list[list[int]]) -> None:
+    def run(batch: list[list[int]]) -> list[list[int]]:
         width = max(len(p) for p in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, **kwargs)
+            return model.generate(ids, attention_mask=mask, **kwargs)[:, width:].tolist()
 
     run(next(iter(work.values()))["prompts"][:1])  # warm-up
-    return {"rates": {name: _timed(name, w, args.output_len, lambda p: run([p]), run)
-                      for name, w in work.items()}}
+    results = {}
+    for name, w in work.items():
+        _timed(name, w, args.output_len, lambda p: run([p])[0], run, results)
+    return results
 
 
 def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
@@ -200,7 +209,7 @@ def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
     if done.returncode or not results:
         raise RuntimeError(f"the vLLM baseline failed (exit {done.returncode}); its stderr "
                            "above says why")
-    return {"rates": json.loads(results[-1][len("RESULT "):])}
+    return json.loads(results[-1][len("RESULT "):])
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -224,13 +233,21 @@ def run_from_args(args: argparse.Namespace) -> int:
           f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, on "
           f"{jax.devices()[0].platform}; uniform prompts of {args.prompt_len} tokens, ragged "
           f"of {args.min_prompt_len}-{args.max_prompt_len}; output tokens/s")
-    print(f"{'':<16}" + "".join(f"{name:>18}" for name in work))
+    print(f"{'':<22}" + "".join(f"{name:>18}" for name in work))
     for engine, result in engines.items():
-        print(f"{engine:<16}" + "".join(f"{result['rates'][name]:>18.1f}" for name in work))
+        print(f"{engine:<22}" + "".join(f"{result['rates'][name]:>18.1f}" for name in work))
     for engine, result in engines.items():
         if engine != "jaxserve":
-            print(f"{'jaxserve/' + engine:<16}" + "".join(
+            print(f"{'jaxserve/' + engine:<22}" + "".join(
                 f"{ours['rates'][name] / result['rates'][name]:>17.2f}x" for name in work))
+    if not args.temperature:
+        for engine, result in engines.items():
+            if engine != "jaxserve":
+                same = sum(a == b for name in work
+                           for a, b in zip(ours["tokens"][name], result["tokens"][name]))
+                total = sum(len(w["prompts"]) for w in work.values())
+                print(f"greedy outputs equal to jaxserve's, token for token: {engine} "
+                      f"{same}/{total}")
     roofline = ours["weight_bytes"] / bandwidth
     print(f"jaxserve batch-1 decode step: {ours['decode_step_s'] * 1e3:.2f} ms; roofline "
           f"{ours['weight_bytes'] / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s = "

@@ -1,12 +1,13 @@
 """`jaxserve bench serve`: load-test a running OpenAI-compatible server, at one load or a sweep
 of them, and answer the capacity question: how much throughput, at what cost, for this latency.
 
-Requests go to `/v1/completions` with `stream: true`, at a Poisson rate (`--request-rate`) or
-all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
+Requests go to `/v1/completions` with `stream: true` (`--no-stream`: whole answers), at a
+Poisson rate (`--request-rate`) or all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
 `--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths
 drawn around `--input-len`; every request asks for exactly `--output-len` tokens
 (`ignore_eos`). Reports completed/failed, request and token throughput, TTFT, TPOT (per
-request, excluding the first token), ITL (between streamed chunks) and end-to-end latency as
+request, excluding the first token; unstreamed, where the first token comes with the last, the
+whole request's time per output token), ITL (between streamed chunks) and end-to-end latency as
 mean/p50/p90/p99, and goodput: requests per second meeting every SLO given (`--slo-ttft`,
 `--slo-tpot`, `--slo-e2e` in ms, or vLLM's `--goodput ttft:MS tpot:MS`).
 
@@ -45,9 +46,14 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
     error: str = ""
+    streamed: bool = True
 
     @property
     def tpot(self) -> float:
+        """Seconds per output token after the first (streamed), or per output token of the
+        whole request (unstreamed: its TTFT is its end-to-end latency)."""
+        if not self.streamed:
+            return self.e2e / self.output_tokens if self.output_tokens else 0.0
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
@@ -68,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompt-token-range", type=int, nargs=2, default=(100, 1000),
                         metavar=("LOW", "HIGH"), help="prompt token ids are drawn from [LOW, HIGH)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="ask for whole answers instead of server-sent events")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--slo-ttft", type=float, default=None, metavar="MS",
@@ -95,9 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
                timeout: float) -> RequestResult:
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, streamed=body["stream"])
     last = None
     try:
+        if not body["stream"]:
+            response = await client.post(url, json=body, headers=headers, timeout=timeout)
+            result.e2e = result.ttft = time.perf_counter() - start
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {response.text[:200]!r}"
+                return result
+            usage = response.json()["usage"]
+            result.prompt_tokens = usage["prompt_tokens"]
+            result.output_tokens = usage["completion_tokens"]
+            result.ok = result.output_tokens > 0
+            result.error = "" if result.ok else "no tokens"
+            return result
         async with client.stream("POST", url, json=body, headers=headers,
                                  timeout=timeout) as response:
             if response.status_code != 200:
@@ -151,7 +171,8 @@ async def run_sweep(args: argparse.Namespace, points: list[tuple[float, int]],
             # the point's own first token: no prefix-cache hits on an earlier point's prompts
             bodies = [{"model": model, "prompt": [low + index % (high - low)] + prompt[1:],
                        "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}}
+                       "stream": args.stream}
+                      | ({"stream_options": {"include_usage": True}} if args.stream else {})
                       for prompt in prompts]
             results, duration = await _load(client, bodies, gaps / rate, concurrency,
                                              headers, args.timeout)

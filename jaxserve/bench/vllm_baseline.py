@@ -8,7 +8,8 @@ SPEC: {"model": folder, "dtype": ..., "output_len": n, "temperature": t, "seed":
 "options": {vLLM engine arguments}, "workloads": {name: {"prompts": [[ids]], "batch": b}}}.
 A workload of batch 1 runs its prompts one after another, any other all at once, as the
 jaxserve side does. Prints one line per workload as it ends (progress), then a last line
-`RESULT {json}` with output tokens per second by workload.
+`RESULT {json}`: {"rates": {workload: output tokens/s}, "tokens": {workload: [[ids] per
+prompt]}}.
 """
 
 import json
@@ -27,18 +28,20 @@ def main(spec_path: str) -> int:
     as_inputs = lambda prompts: [{"prompt_token_ids": p} for p in prompts]  # noqa: E731
     first = next(iter(spec["workloads"].values()))["prompts"][:1]
     llm.generate(as_inputs(first), params, use_tqdm=False)  # warm-up
-    results = {}
+    generate = lambda prompts: [out.outputs[0].token_ids for out in  # noqa: E731
+                                llm.generate(as_inputs(prompts), params, use_tqdm=False)]
+    rates, tokens = {}, {}
     for name, workload in spec["workloads"].items():
         prompts = workload["prompts"]
         start = time.perf_counter()
         if workload["batch"] == 1:
-            for prompt in prompts:
-                llm.generate(as_inputs([prompt]), params, use_tqdm=False)
+            tokens[name] = [generate([prompt])[0] for prompt in prompts]
         else:
-            llm.generate(as_inputs(prompts), params, use_tqdm=False)
-        results[name] = len(prompts) * spec["output_len"] / (time.perf_counter() - start)
-        print(f"vllm {name}: {results[name]:.1f} output tokens/s", file=sys.stderr, flush=True)
-    print("RESULT " + json.dumps(results), flush=True)
+            tokens[name] = generate(prompts)
+        rates[name] = len(prompts) * spec["output_len"] / (time.perf_counter() - start)
+        print(f"vllm {name}: {rates[name]:.1f} output tokens/s", file=sys.stderr, flush=True)
+    tokens = {name: [list(ids) for ids in lists] for name, lists in tokens.items()}
+    print("RESULT " + json.dumps({"rates": rates, "tokens": tokens}), flush=True)
     return 0
 
 
