@@ -192,3 +192,16 @@ def test_cli_single_point_keeps_the_one_point_table(server, capsys):
     assert code == 0, out
     assert "goodput (requests/s)" in out and "SLOs none" in out
     assert "out tok/s" not in out and "SLO:" not in out  # no sweep table, no capacity lines
+
+
+def test_cli_no_stream_times_whole_answers(server, tmp_path, capsys):
+    report = tmp_path / "whole.json"
+    code = main(["bench", "serve", "--url", server.url, *LOAD, "--seed", "2",
+                 "--max-concurrency", "2", "--no-stream", "--json", str(report)])
+    assert code == 0, capsys.readouterr().out
+    point = json.loads(report.read_text())["points"][0]
+    assert point["completed"] == 8 and point["output_token_throughput"] > 0
+    # no chunks: the first token comes with the whole answer, 4 tokens per request
+    assert point["itl_s"]["p50"] == 0.0
+    assert point["ttft_s"] == point["e2e_s"]
+    assert point["tpot_s"]["mean"] == pytest.approx(point["e2e_s"]["mean"] / 4)
