@@ -97,6 +97,25 @@ def build_random_model(folder: Path) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
+def model_folder(model: str | None, scratch: str) -> str:
+    """`model`, or (None) the random ~60M Llama built in `scratch`."""
+    if model is not None:
+        return model
+    folder = Path(scratch) / "random-llama-60m"
+    print("building a random ~60M-parameter Llama with transformers ...", flush=True)
+    build_random_model(folder)
+    return str(folder)
+
+
+def decode_step_seconds(engine, request_id: str, prompt: list[int], params) -> float:
+    """One request alone through `engine`: the mean time of a decode step, between its first
+    token and its last (`params` must ask for at least 2 tokens)."""
+    seq = engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return (seq.times.last_token - seq.times.first_token) / (params.max_tokens - 1)
+
+
 def measure_read_bandwidth(megabytes: int = 512) -> float:
     """Bytes/s of a jitted reduction that reads `megabytes` once (best of 5)."""
     data = jnp.ones((megabytes << 20) // 4, jnp.float32)
@@ -158,10 +177,8 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     for name, w in work.items():
         _timed(name, w, args.output_len, lambda p: generate([p])[0], generate, results)
     engine = llm.engine
-    seq = engine.add_request("roofline", next(iter(work.values()))["prompts"][0], params)
-    while engine.has_unfinished():
-        engine.step()
-    decode_step = (seq.times.last_token - seq.times.first_token) / (args.output_len - 1)
+    decode_step = decode_step_seconds(engine, "roofline",
+                                      next(iter(work.values()))["prompts"][0], params)
     weights = sum(np.prod(x.shape) * x.dtype.itemsize
                   for x in jax.tree.leaves(engine.runner.state))
     return {**results, "decode_step_s": decode_step, "weight_bytes": int(weights)}
@@ -215,11 +232,7 @@ def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
 def run_from_args(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
-        folder = args.model
-        if folder is None:
-            folder = str(Path(scratch) / "random-llama-60m")
-            print("building a random ~60M-parameter Llama with transformers ...", flush=True)
-            build_random_model(Path(folder))
+        folder = model_folder(args.model, scratch)
         work = workloads(args, rng)
         bandwidth = measure_read_bandwidth()
         print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)

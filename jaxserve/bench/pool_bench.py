@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
@@ -31,34 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def step_time(folder: str, num_pages: int | None, args) -> tuple[int, float]:
     """(pages in the pool, best mean decode step of `--repeats` single requests, seconds)."""
     from jaxserve import LLM, SamplingParams
+    from jaxserve.bench.offline_bench import decode_step_seconds
 
     options = {} if num_pages is None else {"num_pages": num_pages}
     llm = LLM(folder, dtype=args.dtype, progress=False, **options)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompt = np.random.default_rng(0).integers(3, 1000, args.prompt_len).tolist()
-    best = float("inf")
-    for i in range(args.repeats):
-        seq = engine.add_request(f"pool-{i}", prompt, params)
-        while engine.has_unfinished():
-            engine.step()
-        best = min(best, (seq.times.last_token - seq.times.first_token) / (args.output_len - 1))
+    best = min(decode_step_seconds(engine, f"pool-{i}", prompt, params)
+               for i in range(args.repeats))
     pages = engine.runner.num_pages
     engine.release()  # the next size's cache takes its memory
     return pages, best
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from jaxserve.bench.offline_bench import build_random_model
+    from jaxserve.bench.offline_bench import model_folder
 
     sizes = [None if n == "default" else int(n) for n in args.num_pages]
     results = []
     with tempfile.TemporaryDirectory() as scratch:
-        folder = args.model
-        if folder is None:
-            folder = str(Path(scratch) / "random-llama-60m")
-            print("building a random ~60M-parameter Llama with transformers ...", flush=True)
-            build_random_model(Path(folder))
+        folder = model_folder(args.model, scratch)
         for size in sizes:
             print(f"num_pages {size or 'default'}: building the engine (compiles every "
                   "bucket) and decoding ...", flush=True)
