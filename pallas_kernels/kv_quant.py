@@ -57,19 +57,18 @@ import jax.numpy as jnp
 
 from pallas_kernels import absmax
 from pallas_kernels.kv_write import write_kv
+from pallas_kernels.limits import KV_CACHE_DTYPE_NAMES, check_kv_cache_dtype
 
 # kv_cache_dtype option → page dtype (None: the compute dtype)
-KV_CACHE_DTYPES = {"auto": None, "int8": jnp.dtype(jnp.int8),
-                   "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+KV_CACHE_DTYPES = dict(zip(KV_CACHE_DTYPE_NAMES, (None, jnp.dtype(jnp.int8),
+                                                   jnp.dtype(jnp.float8_e4m3fn))))
 QUANTIZED_DTYPES = tuple(d for d in KV_CACHE_DTYPES.values() if d is not None)
 FP8_LARGEST = absmax.LARGEST_CODE[KV_CACHE_DTYPES["fp8"]]
 
 
 def page_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
     """The dtype pages are stored in; `ValueError` (naming kv_cache_dtype) for an unknown one."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
-                         f"{kv_cache_dtype!r}")
+    check_kv_cache_dtype(kv_cache_dtype)
     return KV_CACHE_DTYPES[kv_cache_dtype] or jnp.dtype(compute_dtype)
 
 

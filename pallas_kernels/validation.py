@@ -13,9 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_quant
-
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+from pallas_kernels.limits import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Quantized page dtypes besides q's own (`kv_quant`): int8 pages carry scales, fp8 do not.
 QUANTIZED_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))

@@ -31,8 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -118,6 +116,9 @@ def decode_step_seconds(engine, request_id: str, prompt: list[int], params) -> f
 
 def measure_read_bandwidth(megabytes: int = 512) -> float:
     """Bytes/s of a jitted reduction that reads `megabytes` once (best of 5)."""
+    import jax
+    import jax.numpy as jnp
+
     data = jnp.ones((megabytes << 20) // 4, jnp.float32)
     total = jax.jit(jnp.sum)
     total(data).block_until_ready()
@@ -160,6 +161,8 @@ def _timed(name: str, work: dict, output_len: int, run_one, run_all,
 
 
 def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
+    import jax
+
     from jaxserve import LLM, SamplingParams
 
     options = parse_engine_options(args.engine_option)
@@ -230,6 +233,8 @@ def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    import jax
+
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
         folder = model_folder(args.model, scratch)

@@ -11,8 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from pallas_kernels.kv_quant import page_dtype
-from pallas_kernels.validation import SUPPORTED_PAGE_SIZES
+from pallas_kernels.limits import SUPPORTED_PAGE_SIZES, check_kv_cache_dtype
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 
@@ -66,7 +65,7 @@ class EngineConfig:
     calculate_kv_scales: bool = False
 
     def __post_init__(self):
-        page_dtype(self.kv_cache_dtype, "float32")  # a ValueError naming it if unknown
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
             raise ValueError("calculate_kv_scales calibrates an fp8 KV cache's scales; it "
                              f"needs kv_cache_dtype='fp8', got {self.kv_cache_dtype!r}")
