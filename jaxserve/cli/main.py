@@ -34,52 +34,33 @@ import sys
 
 from jaxserve import __version__
 
-# flag dest → engine option; only flags the user actually gives override the preset
-ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                "num_pages", "kv_cache_memory_fraction", "num_decode_steps",
-                "tensor_parallel_size", "data_parallel_size", "scan_layers", "quantization",
-                "kv_cache_dtype")
+# an engine option's kind → how its flag parses a value
+FLAG_TYPES = {"int": int, "float": float, "str": str, "ints": int}
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, --config, --dtype, and a flag per engine option, derived from `EngineConfig`
+    (`--max-num-seqs N`, `--[no-]enable-prefix-caching`, `--token-buckets 16 32 ...`). A flag
+    left out is None, so only the flags the user gives override the preset."""
+    from jaxserve.engine.config import option_specs
+
     parser.add_argument("--model", default=None,
                         help="Hugging Face model folder or jaxserve orbax checkpoint "
                              "(default: the small model shipped with jaxserve)")
     parser.add_argument("--config", default=None,
                         help="deployment preset (TOML, see tpu_configs/ and gpu_configs/)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--page-size", type=int, default=None)
-    parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None)
-    parser.add_argument("--num-decode-steps", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None)
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the layers as one lax.scan over stacked weights (default: "
-                             "on for TPU/GPU, off on CPU)")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
-                        help="store the weights in int8 or fp8 with per-channel scales "
-                             "(default: as the checkpoint is)")
-    parser.add_argument("--quantize-activations", action="store_true",
-                        help="with --quantization: run the matmuls int8 x int8 (or fp8 x fp8) "
-                             "on the accelerator's integer/fp8 units")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
-                        help="store the KV cache in int8 (a scale per token and head) or fp8 "
-                             "e4m3: about twice the tokens in the same memory (default auto: "
-                             "the compute dtype)")
-    parser.add_argument("--calculate-kv-scales", action="store_true",
-                        help="with --kv-cache-dtype fp8: calibrate a scale per layer and kv "
-                             "head from the first step's tokens (default: scales of 1)")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="turn off automatic prefix caching")
-    parser.add_argument("--strict-compile", action="store_true",
-                        help="raise instead of compiling after warm-up")
-    parser.add_argument("--no-executable-cache", action="store_true",
-                        help="do not keep compiled programs on disk between starts (they are "
-                             "then traced every start and compiled through the XLA cache)")
+    for spec in option_specs():
+        names = (spec.flag, *spec.aliases)
+        if spec.kind == "bool":
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{spec.help} (default: {spec.default})")
+        else:
+            parser.add_argument(*names, dest=spec.name, type=FLAG_TYPES[spec.kind],
+                                default=None, choices=spec.choices,
+                                nargs="+" if spec.kind == "ints" else None,
+                                help=spec.help if spec.default in (None, ()) else
+                                f"{spec.help} (default: {spec.default})")
 
 
 def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, dict]:
@@ -90,19 +71,11 @@ def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, d
 
 def flag_options(args: argparse.Namespace) -> dict:
     """The engine options the user gave as flags (they override the preset's)."""
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS
-               if getattr(args, name) is not None}
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
-    if args.strict_compile:
-        options["strict_compile"] = True
-    if args.no_executable_cache:
-        options["executable_cache"] = False
-    if args.quantize_activations:
-        options["quantize_activations"] = True
-    if args.calculate_kv_scales:
-        options["calculate_kv_scales"] = True
-    return options
+    from jaxserve.engine.config import option_specs
+
+    options = {spec.name: getattr(args, spec.name) for spec in option_specs()
+               if getattr(args, spec.name) is not None}
+    return {name: tuple(v) if isinstance(v, list) else v for name, v in options.items()}
 
 
 def default_model_dir() -> str:

@@ -10,59 +10,91 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
-from pallas_kernels.limits import SUPPORTED_PAGE_SIZES, check_kv_cache_dtype
+from pallas_kernels.limits import (KV_CACHE_DTYPE_NAMES, SUPPORTED_PAGE_SIZES,
+                                   check_kv_cache_dtype)
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
+# a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
+SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile")
+
+
+def _option(default, section: str, help: str, choices: tuple | None = None,
+            aliases: tuple[str, ...] = ()):
+    """An `EngineConfig` field with what the command line and the presets derive from it:
+    its preset `section`, one-line `help`, allowed `choices`, and short flag `aliases`."""
+    return dataclasses.field(default=default, metadata={
+        "section": section, "help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the serving engine sizes its KV cache, batches and compiled programs.
 
+    This class is the one place an engine option is written: its fields are `LLM`'s keyword
+    arguments, the command line's flags (`jaxserve.cli`: `--max-num-seqs` for
+    `max_num_seqs`, `--[no-]enable-prefix-caching` for a bool), the presets' fields
+    (`jaxserve.presets`, in the field's section) and the README's option table
+    (`options_table`, checked by `tests/engine/test_options.py`).
+
     `token_buckets` and `seq_buckets` are the ladders every step is padded to (tokens per
     step, sequences per step); each compiled program has one (tokens, seqs) pair from them.
     Empty ladders are derived as powers of two up to `max_num_batched_tokens` and
     `max_num_seqs`. `num_pages` wins over `kv_cache_memory_fraction` when both are given.
-    `scan_layers`: run the decoder layers as one `lax.scan` over stacked weights (compile
-    time independent of depth) rather than a Python loop; None picks it on TPU/GPU, and the
-    loop on CPU, where XLA copies each layer's weights out of the stack and a step runs ~2x
-    slower. `attention_backend`: "auto" (Pallas kernels on TPU/GPU, the jnp CPU backend on
-    CPU), "pallas", "cpu", or "reference" (the slow oracle); see `jaxserve.attention`.
-    `executable_cache`: keep every compiled bucket program on disk whole, beside the
-    compilation cache, so a restart neither traces nor compiles
-    (`jaxserve.engine.executable_store`). `quantization`: store the weights in "int8" or
-    "fp8" with per-channel scales (None: as the checkpoint is), and `quantize_activations`:
-    run those matmuls in int8/fp8 too (`jaxserve.model.quantization`; checked where the
-    model's config takes them, `with_quantization`). `kv_cache_dtype`:
-    "auto" (the compute dtype), "int8" (a scale per token and kv head) or "fp8" (e4m3, a
-    scale per kv head) pages (`pallas_kernels.kv_quant`): about twice the pages in the same
-    memory. `calculate_kv_scales` (vLLM's name): fp8 scales calibrated from the first step
-    that writes real tokens, instead of 1.
+    `scan_layers` None picks the scan on TPU/GPU and the loop on CPU, where XLA copies each
+    layer's weights out of the stack and a step runs ~2x slower. The executable cache is
+    `jaxserve.engine.executable_store`; quantization, `jaxserve.model.quantization` (checked
+    where the model's config takes it, `with_quantization`); quantized pages,
+    `pallas_kernels.kv_quant`.
     """
 
-    max_model_len: int = 2048
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_memory_fraction: float = 0.5
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    num_decode_steps: int = 8
-    enable_prefix_caching: bool = True
-    strict_compile: bool = False
-    token_buckets: tuple[int, ...] = ()
-    seq_buckets: tuple[int, ...] = ()
-    attention_backend: str = "auto"
-    compilation_cache_dir: str | None = None
-    executable_cache: bool = True
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    scan_layers: bool | None = None
-    devices: tuple[int, ...] | None = None
-    quantization: str | None = None
-    quantize_activations: bool = False
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
+    max_model_len: int = _option(2048, "model", "longest prompt + output, in tokens")
+    page_size: int = _option(16, "kv_cache", "tokens per KV page",
+                             choices=SUPPORTED_PAGE_SIZES)
+    num_pages: int | None = _option(None, "kv_cache", "KV pages in the pool (default: from "
+                                    "kv_cache_memory_fraction)")
+    kv_cache_memory_fraction: float = _option(0.5, "kv_cache", "share of free device memory "
+                                              "the KV cache takes")
+    max_num_seqs: int = _option(64, "batching", "most sequences in one step")
+    max_num_batched_tokens: int = _option(512, "batching", "most tokens in one step")
+    num_decode_steps: int = _option(8, "batching", "decode steps per device loop for "
+                                    "requests nobody streams")
+    enable_prefix_caching: bool = _option(True, "kv_cache", "reuse the KV pages of a cached "
+                                          "prompt prefix")
+    strict_compile: bool = _option(False, "compile", "raise instead of compiling after "
+                                   "warm-up")
+    token_buckets: tuple[int, ...] = _option((), "batching", "tokens-per-step ladder "
+                                             "(default: powers of two)")
+    seq_buckets: tuple[int, ...] = _option((), "batching", "sequences-per-step ladder "
+                                           "(default: powers of two)")
+    attention_backend: str = _option("auto", "model", "auto: Pallas kernels on TPU/GPU, "
+                                     "the jnp backend on CPU; reference: the slow oracle",
+                                     choices=ATTENTION_BACKENDS)
+    compilation_cache_dir: str | None = _option(None, "compile", "XLA compilation cache "
+                                                "(default: $JAXSERVE_CACHE_DIR or "
+                                                "~/.cache/jaxserve/xla)")
+    executable_cache: bool = _option(True, "compile", "keep compiled programs on disk "
+                                     "whole: a restart neither traces nor compiles")
+    tensor_parallel_size: int = _option(1, "mesh", "devices each layer is split over",
+                                        aliases=("-tp",))
+    data_parallel_size: int = _option(1, "mesh", "engine replicas, each on its own "
+                                      "devices", aliases=("-dp",))
+    scan_layers: bool | None = _option(None, "model", "run the layers as one lax.scan over "
+                                       "stacked weights (default: on TPU/GPU)")
+    devices: tuple[int, ...] | None = _option(None, "mesh", "indices of the devices to use "
+                                              "(default: the first the mesh needs)")
+    quantization: str | None = _option(None, "model", "store the weights in int8 or fp8 "
+                                       "with per-channel scales (default: as the "
+                                       "checkpoint is)", choices=("int8", "fp8"),
+                                       aliases=("-q",))
+    quantize_activations: bool = _option(False, "model", "with quantization: run those "
+                                         "matmuls in int8/fp8 too")
+    kv_cache_dtype: str = _option("auto", "kv_cache", "KV pages in the compute dtype "
+                                  "(auto), int8 (a scale per token and head) or fp8 e4m3",
+                                  choices=KV_CACHE_DTYPE_NAMES)
+    calculate_kv_scales: bool = _option(False, "kv_cache", "with fp8 pages: calibrate "
+                                        "scales from the first step's tokens, not 1")
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -146,3 +178,56 @@ class EngineConfig:
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """One engine option as the command line, the presets and the README see it; `kind` is
+    "int", "float", "bool", "str" or "ints" (a tuple of ints)."""
+
+    name: str
+    kind: str
+    nullable: bool
+    default: Any
+    section: str
+    help: str
+    choices: tuple | None
+    aliases: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def option_specs() -> tuple[OptionSpec, ...]:
+    """Every `EngineConfig` field, in declaration order."""
+    specs = []
+    for field in dataclasses.fields(EngineConfig):
+        kinds = [k.strip() for k in str(field.type).split("|")]
+        nullable = "None" in kinds
+        kind = next(k for k in kinds if k != "None")
+        kind = "ints" if kind.startswith("tuple[int") else kind
+        if kind not in ("int", "float", "bool", "str", "ints"):
+            raise TypeError(f"EngineConfig.{field.name}: no flag or preset type for {kind}")
+        meta = field.metadata
+        specs.append(OptionSpec(field.name, kind, nullable, field.default, meta["section"],
+                                meta["help"], meta["choices"], meta["aliases"]))
+    return tuple(specs)
+
+
+def options_table() -> str:
+    """The README's table of engine options (Markdown), derived from `EngineConfig`."""
+    def shown(value) -> str:
+        if value is None or value == ():
+            return "—"
+        return f"`{str(value).lower()}`" if isinstance(value, bool) else f"`{value}`"
+
+    rows = ["| option (`LLM` / preset field) | flag | preset section | default | what |",
+            "|---|---|---|---|---|"]
+    for spec in option_specs():
+        flag = (f"`--[no-]{spec.flag[2:]}`" if spec.kind == "bool" else f"`{spec.flag}`")
+        what = spec.help + (f"; one of {', '.join(map(str, spec.choices))}"
+                            if spec.choices else "")
+        rows.append(f"| `{spec.name}` | {flag} | `[{spec.section}]` | {shown(spec.default)} | "
+                    f"{what} |")
+    return "\n".join(rows)

@@ -6,13 +6,10 @@ here, used by default on CPU).
                 accelerator = the chip kind ("v5e", "v6e", "v5p", "h100", "h200", "a100-80g")
     [plan]      model = the reference model shape the preset's numbers were planned with
                 (a folder name under `reference_models/`, or a path to a model folder)
-    [mesh]      tensor_parallel_size, data_parallel_size
-    [model]     dtype, max_model_len, scan_layers, quantization ("int8" | "fp8"),
-                quantize_activations
-    [kv_cache]  page_size, kv_cache_memory_fraction, num_pages, enable_prefix_caching,
-                kv_cache_dtype ("auto" | "int8" | "fp8"), calculate_kv_scales
-    [batching]  max_num_seqs, max_num_batched_tokens, num_decode_steps, token_buckets,
-                seq_buckets
+    [model]     dtype, and the engine options of that section
+    [mesh] [kv_cache] [batching] [compile]
+                the engine options, each in the section `EngineConfig` gives it (the
+                README's option table lists them)
 
 The header comment's numbers (KV GiB, tokens, compile times) come from
 `jaxserve plan --config PRESET` with the `[plan]` model, not from arithmetic by hand.
@@ -33,23 +30,28 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from jaxserve.engine.config import SECTIONS, option_specs
+
 CPU_PRESET = Path(__file__).with_name("cpu.toml")
 REFERENCE_MODELS = Path(__file__).with_name("reference_models")
 PLATFORMS = ("tpu", "gpu", "cpu")
 
-# section → field → accepted type(s)
-SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hardware": {"platform": str, "devices": int, "accelerator": str},
-    "plan": {"model": str},
-    "mesh": {"tensor_parallel_size": int, "data_parallel_size": int},
-    "model": {"dtype": str, "max_model_len": int, "scan_layers": bool, "quantization": str,
-              "quantize_activations": bool},
-    "kv_cache": {"page_size": int, "kv_cache_memory_fraction": (float, int), "num_pages": int,
-                 "enable_prefix_caching": bool, "kv_cache_dtype": str,
-                 "calculate_kv_scales": bool},
-    "batching": {"max_num_seqs": int, "max_num_batched_tokens": int, "num_decode_steps": int,
-                 "token_buckets": list, "seq_buckets": list},
-}
+# an engine option's kind → the TOML value types it accepts
+TOML_TYPES = {"int": int, "float": (float, int), "bool": bool, "str": str, "ints": list}
+
+
+def _schema() -> dict[str, dict[str, type | tuple[type, ...]]]:
+    """section → field → accepted type(s): [hardware], [plan], the model's dtype, and every
+    engine option in its section (derived from `EngineConfig`)."""
+    schema = {"hardware": {"platform": str, "devices": int, "accelerator": str},
+              "plan": {"model": str}, **{section: {} for section in SECTIONS}}
+    schema["model"]["dtype"] = str
+    for spec in option_specs():
+        schema[spec.section][spec.name] = TOML_TYPES[spec.kind]
+    return schema
+
+
+SCHEMA = _schema()
 
 
 @dataclasses.dataclass
@@ -113,7 +115,7 @@ def load_preset(path: str | Path) -> Preset:
     """Read and validate one preset file."""
     path = Path(path)
     data = read_toml(path, "config file")
-    values: dict[str, Any] = {}
+    values: dict[str, dict[str, Any]] = {section: {} for section in SCHEMA}
     for section, fields in data.items():
         if section not in SCHEMA:
             raise ValueError(f"{path.name}: unknown section [{section}]; known: {list(SCHEMA)}")
@@ -126,17 +128,18 @@ def load_preset(path: str | Path) -> Preset:
             if not isinstance(value, expected):
                 raise ValueError(f"{path.name}: {section}.{name} has the wrong type "
                                  f"({type(value).__name__})")
-            values[name] = tuple(value) if isinstance(value, list) else value
-    platform = values.pop("platform", None)
-    devices = values.pop("devices", None)
+            values[section][name] = tuple(value) if isinstance(value, list) else value
+    hardware, plan = values.pop("hardware"), values.pop("plan")
+    platform, devices = hardware.get("platform"), hardware.get("devices")
     if platform not in PLATFORMS:
         raise ValueError(f"{path.name}: hardware.platform must be one of {PLATFORMS}")
     if devices is None or devices < 1:
         raise ValueError(f"{path.name}: hardware.devices must be a positive integer")
-    mesh = values.get("tensor_parallel_size", 1) * values.get("data_parallel_size", 1)
+    dtype = values["model"].pop("dtype", None)
+    engine = {name: value for fields in values.values() for name, value in fields.items()}
+    mesh = engine.get("tensor_parallel_size", 1) * engine.get("data_parallel_size", 1)
     if devices % mesh:
         raise ValueError(f"{path.name}: mesh tensor_parallel_size x data_parallel_size = {mesh} "
                          f"does not divide the {devices} declared devices")
-    dtype = values.pop("dtype", None)
-    accelerator, plan_model = values.pop("accelerator", None), values.pop("model", None)
-    return Preset(path, platform, devices, dtype, values, accelerator, plan_model)
+    return Preset(path, platform, devices, dtype, engine, hardware.get("accelerator"),
+                  plan.get("model"))
