@@ -37,7 +37,8 @@ def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
         mask &= q_pos[:, None] - key_pos < sliding_window
     mask = mask[:, None, None, :]  # [T, 1, 1, L]
     logits = jnp.where(mask, logits, MASK_VALUE)
-    weights = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)  # [T, Hkv, G, L]
+    # [T, Hkv, G, L]
+    weights = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
     denom = weights.sum(-1, keepdims=True)  # [T, Hkv, G, 1]
     weights = weights / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("thgk,tkhd->thgd", weights, v.astype(jnp.float32))  # [T, Hkv, G, D]

@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm

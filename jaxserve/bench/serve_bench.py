@@ -2,14 +2,14 @@
 of them, and answer the capacity question: how much throughput, at what cost, for this latency.
 
 Requests go to `/v1/completions` with `stream: true` (`--no-stream`: whole answers), at a
-Poisson rate (`--request-rate`) or all at once, never more than `--max-concurrency` in flight. Prompts are random token ids in
-`--prompt-token-range` (default [100, 1000), valid for any real vocabulary) with lengths
-drawn around `--input-len`; every request asks for exactly `--output-len` tokens
-(`ignore_eos`). Reports completed/failed, request and token throughput, TTFT, TPOT (per
-request, excluding the first token; unstreamed, where the first token comes with the last, the
-whole request's time per output token), ITL (between streamed chunks) and end-to-end latency as
-mean/p50/p90/p99, and goodput: requests per second meeting every SLO given (`--slo-ttft`,
-`--slo-tpot`, `--slo-e2e` in ms, or vLLM's `--goodput ttft:MS tpot:MS`).
+Poisson rate (`--request-rate`) or all at once, never more than `--max-concurrency` in flight.
+Prompts are random token ids in `--prompt-token-range` (default [100, 1000), valid for any real
+vocabulary) with lengths drawn around `--input-len`; every request asks for exactly
+`--output-len` tokens (`ignore_eos`). Reports completed/failed, request and token throughput,
+TTFT, TPOT (per request, excluding the first token; unstreamed, where the first token comes
+with the last, the whole request's time per output token), ITL (between streamed chunks) and
+end-to-end latency as mean/p50/p90/p99, and goodput: requests per second meeting every SLO
+given (`--slo-ttft`, `--slo-tpot`, `--slo-e2e` in ms, or vLLM's `--goodput ttft:MS tpot:MS`).
 
 Several `--request-rate` and/or `--max-concurrency` values sweep every pair of them, one run
 per point with the same seeded prompts and arrival pattern (the Poisson gaps scaled to each

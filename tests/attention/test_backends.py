@@ -108,8 +108,9 @@ def test_a_step_of_every_kind_equals_numpy(name, fold):
 def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     """Six loop steps of three rows (one padding row), or of one row alone, whose tokens cross
     a page edge, run as the runner runs them: one token per row (`decode_only`: the Pallas
-    backend's decode kernel), the pages carried from step to step. The pages from each row's start on hold random values that the loop overwrites,
-    so attending to a stale copy would show."""
+    backend's decode kernel), the pages carried from step to step. The pages from each row's
+    start on hold random values that the loop overwrites, so attending to a stale copy would
+    show."""
     rng = np.random.default_rng(1)
     page_indices = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 0, 0]],
                             np.int32)[:rows]

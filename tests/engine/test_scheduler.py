@@ -35,7 +35,8 @@ def test_long_prompt_is_chunked_within_the_budget():
     long = seq("long", 50)
     sched.add(long)
     out = sched.schedule()
-    assert [(c.seq.request_id, c.num_tokens, c.samples) for c in out.chunks] == [("long", 32, False)]
+    assert [(c.seq.request_id, c.num_tokens, c.samples)
+            for c in out.chunks] == [("long", 32, False)]
     run_step(sched, out)
     out = sched.schedule()
     assert [(c.num_tokens, c.samples) for c in out.chunks] == [(18, True)]

@@ -59,7 +59,8 @@ def good_args(hq=4, hkv=2, d=64, ps=16, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda a: good_args(hq=12, hkv=5), r"num_q_heads \(12\) must be a multiple of num_kv_heads \(5\)"),
+    (lambda a: good_args(hq=12, hkv=5),
+     r"num_q_heads \(12\) must be a multiple of num_kv_heads \(5\)"),
     (lambda a: good_args(d=96), "head_dim 96 not supported"),
     (lambda a: [a[0][..., :48]] + a[1:], "not 1 token.s. of whole heads of q's head_dim 48"),
     (lambda a: good_args(ps=8), "page_size 8 not supported"),

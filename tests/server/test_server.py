@@ -153,7 +153,8 @@ def test_api_key_and_queue_full(server):
     state.api_key = "secret"
     try:
         denied = httpx.get(f"{server.url}/v1/models")
-        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        assert denied.status_code == 401
+        assert denied.json()["error"]["type"] == "authentication_error"
         allowed = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer secret"})
         assert allowed.status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200  # not behind the key
