@@ -52,6 +52,7 @@ from jaxserve.engine.metrics import EngineMetrics, EngineStats, StepRecord
 from jaxserve.model import LlamaModel
 from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logprob_entries
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.platforms import platform as platform_traits
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.program_cache import warn_near_mapping_limit
@@ -89,10 +90,12 @@ def enable_compilation_cache(config: EngineConfig) -> None:
     """Turn on JAX's persistent compilation cache (unless the user already chose a folder),
     so a restart loads the bucket programs instead of compiling them. Not on CPU while the
     executable store is on: the store then caches the programs, and a CPU program that JAX's
-    cache answered cannot be stored (`jaxserve.engine.executable_store`)."""
+    cache answered cannot be stored (`jaxserve.platforms.Platform.restores_cached_programs`,
+    `jaxserve.engine.executable_store`)."""
     if jax.config.jax_compilation_cache_dir:
         return
-    if jax.default_backend() == "cpu" and executable_store_for(config) is not None:
+    if (executable_store_for(config) is not None
+            and not platform_traits().restores_cached_programs):
         return
     folder = config.resolved_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,7 +116,7 @@ def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
     `platform`: where the programs will run (default: JAX's default backend)."""
     if config.scan_layers is not None:
         return config.scan_layers
-    return (platform or jax.default_backend()) != "cpu"
+    return platform_traits(platform).scan_layers_by_default
 
 
 def engine_mesh(config: EngineConfig) -> Mesh:

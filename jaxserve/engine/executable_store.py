@@ -50,6 +50,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental import serialize_executable
 
+from jaxserve.platforms import platform
+
 log = logging.getLogger("jaxserve.engine")
 
 FORMAT = b"jaxserve-executable-1\n"
@@ -202,7 +204,7 @@ class ExecutableStore:
         if compiled is not None:
             return compiled, True
         compiled, from_jax_cache = compile_noting_cache(lower())
-        if from_jax_cache and devices[0].platform == "cpu":
+        if from_jax_cache and not platform(devices[0].platform).restores_cached_programs:
             log.debug("not storing a CPU program JAX's persistent cache answered (it would "
                       "not run once stored again)")
         else:

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.engine.config import SECTIONS, option_specs
+from jaxserve.platforms import PLATFORMS
+from jaxserve.platforms import platform as platform_traits
 
-CPU_PRESET = Path(__file__).with_name("cpu.toml")
+CPU_PRESET = PLATFORMS["cpu"].default_preset
 REFERENCE_MODELS = Path(__file__).with_name("reference_models")
-PLATFORMS = ("tpu", "gpu", "cpu")
 
 # an engine option's kind → the TOML value types it accepts
 TOML_TYPES = {"int": int, "float": (float, int), "bool": bool, "str": str, "ints": list}
@@ -81,7 +82,7 @@ def engine_settings(config: str | Path | None, platform: str,
                     overrides: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     """(dtype or None, engine options) of preset `config` (default: cpu.toml on CPU, none
     elsewhere) with `overrides` (the user's options) on top."""
-    path = config if config is not None else (CPU_PRESET if platform == "cpu" else None)
+    path = config if config is not None else platform_traits(platform).default_preset
     if path is None:
         return None, dict(overrides)
     preset = load_preset(path)
@@ -132,7 +133,7 @@ def load_preset(path: str | Path) -> Preset:
     hardware, plan = values.pop("hardware"), values.pop("plan")
     platform, devices = hardware.get("platform"), hardware.get("devices")
     if platform not in PLATFORMS:
-        raise ValueError(f"{path.name}: hardware.platform must be one of {PLATFORMS}")
+        raise ValueError(f"{path.name}: hardware.platform must be one of {list(PLATFORMS)}")
     if devices is None or devices < 1:
         raise ValueError(f"{path.name}: hardware.devices must be a positive integer")
     dtype = values["model"].pop("dtype", None)
