@@ -1,7 +1,6 @@
 """The HTTP server against real clients: the official `openai` package, raw HTTP for bad
 input, the serving benchmark for load, Prometheus' parser for /metrics."""
 
-import argparse
 import asyncio
 import threading
 import time
@@ -13,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.serve_bench import run_benchmark
+from jaxserve.cli.main import build_parser
 from jaxserve.server.state import ServerOptions, ServerState
 from server_helpers import ThreadedServer, serving, wait_until
 from tiny_models import SMALL_ENGINE
@@ -237,11 +237,11 @@ def test_waiting_limit_is_exact_under_a_burst(server):
 
 
 def test_200_requests_at_32_concurrent_streams(server):
-    args = argparse.Namespace(url=server.url, model=NAME, api_key=None, num_prompts=200,
-                              request_rate=float("inf"), max_concurrency=32, input_len=12,
-                              input_len_std=4.0, output_len=6, seed=0, timeout=300.0,
-                              prompt_token_range=(2, 300),
-                              slo_ttft=None, slo_tpot=None, slo_e2e=None)
+    args = build_parser().parse_args([
+        "bench", "serve", "--url", server.url, "--model", NAME, "--num-prompts", "200",
+        "--max-concurrency", "32", "--input-len", "12", "--input-len-std", "4",
+        "--output-len", "6", "--timeout", "300", "--prompt-token-range", "2", "300"])
+    args.request_rate, args.max_concurrency = args.request_rate[0], args.max_concurrency[0]
     summary = asyncio.run(run_benchmark(args))
     assert summary["completed"] == 200 and summary["failed"] == 0, summary["errors"]
     assert summary["output_token_throughput"] > 0
