@@ -24,10 +24,14 @@ CORPUS = [
     "Unicode: 日本語のテキスト, emoji 🦊🌲 and symbols ∑ ∫ √.",
 ] * 20
 
-# Engine options that keep warm-up short on CPU: 4 step programs and 2 decode loops.
+# Engine options that keep warm-up short on CPU: one step program and one decode loop (a CPU
+# program of even a tiny model takes seconds to compile). Tests of how steps are padded to
+# several buckets set ladders of their own (LADDERS, in tests/engine/test_engine.py).
 SMALL_ENGINE = dict(max_model_len=128, page_size=16, num_pages=48, max_num_seqs=8,
-                    max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(2, 8),
+                    max_num_batched_tokens=64, token_buckets=(64,), seq_buckets=(8,),
                     num_decode_steps=4)
+# Two rungs of each ladder: 4 step programs and 2 decode loops.
+LADDERS = dict(token_buckets=(16, 64), seq_buckets=(2, 8))
 
 # name → (transformers config class, model class, extra config kwargs)
 ARCHITECTURES = {

@@ -13,7 +13,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import load_config
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import LADDERS, SMALL_ENGINE, build_model
 
 EOS = 1
 LOOPS = "final_only"  # the output kind whose all-decode steps run as decode loops
@@ -25,7 +25,8 @@ def model(folder):
 
 
 def make_engine(model, folder, **overrides):
-    config = EngineConfig(**{**SMALL_ENGINE, **overrides})
+    """The tiny engine with two rungs per ladder, so steps pad to several buckets."""
+    config = EngineConfig(**{**SMALL_ENGINE, **LADDERS, **overrides})
     return Engine(model, config, Tokenizer(folder), [EOS], progress=False)
 
 
@@ -177,8 +178,7 @@ def test_pallas_kernel_backend_equals_reference_backend(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     results = []
     for backend in ("reference", "pallas"):
-        engine = make_engine(model, tmp_path, attention_backend=backend, seq_buckets=(2, 8),
-                             token_buckets=(16, 64))
+        engine = make_engine(model, tmp_path, attention_backend=backend)
         seqs, _ = run_to_completion(
             engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
         results.append([seqs[f"r{i}"].output_token_ids for i in range(2)])

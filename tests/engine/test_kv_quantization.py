@@ -61,12 +61,14 @@ def quantized_dense_greedy(model, prompt, steps, kind, head_scales=None):
         v = numpy_round_trip(np.asarray(v), kind, v_scale)
         return numpy_causal_attention(q, k, v), cache
 
+    # Every step runs the same padded length (causal attention: the padding after the real
+    # tokens changes none of their outputs), so each eager op compiles once, not per length.
+    width = max(len(p) for p in PROMPTS) + NEW_TOKENS
     tokens = list(prompt)
     for _ in range(steps):
-        ids = jnp.asarray(tokens, jnp.int32)
-        hidden, _ = model(ids, ids * 0 + jnp.arange(len(tokens)), [None] * len(model.layers),
-                          attention)
-        tokens.append(int(jnp.argmax(model.logits(hidden[-1]))))
+        ids = jnp.asarray(tokens + [0] * (width - len(tokens)), jnp.int32)
+        hidden, _ = model(ids, jnp.arange(width), [None] * len(model.layers), attention)
+        tokens.append(int(jnp.argmax(model.logits(hidden[len(tokens) - 1]))))
     return tokens[len(prompt):]
 
 

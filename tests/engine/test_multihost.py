@@ -20,7 +20,6 @@ from jaxserve.engine import multihost
 from jaxserve.engine.multihost import initialize
 from tiny_models import SMALL_ENGINE, build_model
 
-ENGINE = dict(SMALL_ENGINE, token_buckets=(64,), seq_buckets=(8,))
 PROMPTS = [{"prompt_token_ids": [(5 * i + n) % 300 + 2 for i in range(n)]} for n in (4, 21, 9)]
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 TIMEOUT_S = 240
@@ -36,7 +35,7 @@ def test_two_processes_give_one_process_tokens(tmp_path):
     folder = tmp_path / "model"
     build_model("llama", folder, num_attention_heads=8, num_key_value_heads=2,
                 initializer_range=0.5)
-    single = LLM(str(folder), dtype="float32", progress=False, **ENGINE)
+    single = LLM(str(folder), dtype="float32", progress=False, **SMALL_ENGINE)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS)]
 
     tests_dir = Path(__file__).parents[1]  # tiny_models; the repository above it
@@ -85,7 +84,7 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
 def worker(model_dir: str, out_json: str) -> None:
     """One process of the two: process 0 generates, the other follows until its stop."""
     initialize()  # from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID
-    llm = LLM(model_dir, dtype="float32", progress=False, tensor_parallel_size=4, **ENGINE)
+    llm = LLM(model_dir, dtype="float32", progress=False, tensor_parallel_size=4, **SMALL_ENGINE)
     tokens = None
     if multihost.is_leader():
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]

@@ -12,8 +12,6 @@ from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import load_config
 from tiny_models import SMALL_ENGINE, build_model
 
-# One step program and one decode loop per engine keep each warm-up to a few seconds.
-ENGINE = dict(SMALL_ENGINE, token_buckets=(64,), seq_buckets=(8,))
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * n) % 300 + 2 for i in range(n)]}
            for n in (3, 17, 40, 9)]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -29,7 +27,7 @@ def folder(tmp_path_factory):
 
 
 def generate(folder, **options):
-    llm = LLM(str(folder), dtype="float32", progress=False, **ENGINE, **options)
+    llm = LLM(str(folder), dtype="float32", progress=False, **SMALL_ENGINE, **options)
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     return llm, [c.token_ids for c in outputs], [c.logprobs for c in outputs]
 

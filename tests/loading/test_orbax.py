@@ -14,7 +14,6 @@ from jaxserve.model.config import WeightQuantization
 from jaxserve.model.quantization import CONTRACTED_AXES
 from tiny_models import SMALL_ENGINE, build_model
 
-ENGINE = dict(SMALL_ENGINE, token_buckets=(64,), seq_buckets=(8,))
 PROMPTS = [{"prompt_token_ids": [(3 * i + n) % 300 + 2 for i in range(n)]} for n in (5, 30)]
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
 
@@ -30,7 +29,7 @@ def folders(tmp_path_factory):
 
 
 def run(folder, **options):
-    llm = LLM(str(folder), progress=False, **ENGINE, **options)
+    llm = LLM(str(folder), progress=False, **SMALL_ENGINE, **options)
     return llm, [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
 
 
@@ -88,7 +87,7 @@ def test_restore_on_another_mesh_gives_the_same_outputs(folders):
 def test_restore_casts_to_the_requested_dtype(folders):
     _, ckpt, _ = folders
     llm = LLM(str(ckpt), progress=False, dtype="bfloat16", tensor_parallel_size=4,
-              data_parallel_size=2, **ENGINE)
+              data_parallel_size=2, **SMALL_ENGINE)
     assert llm.model.embed[...].dtype == jnp.bfloat16
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -110,7 +109,7 @@ def test_checkpoint_saved_quantized_restores_its_codes(folders, tmp_path):
     assert_codes_round_the_float_weights(llm, hf_model)
     assert_same_outputs(got, want)
     with pytest.raises(ValueError, match="quantization='fp8'"):
-        LLM(str(ckpt), progress=False, quantization="fp8", **ENGINE)
+        LLM(str(ckpt), progress=False, quantization="fp8", **SMALL_ENGINE)
 
 
 def test_checkpoint_marked_by_an_older_jaxserve(folders, tmp_path):
@@ -136,11 +135,11 @@ def test_checkpoint_marked_by_an_older_jaxserve(folders, tmp_path):
         "config_groups": {"g": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}}))
     with pytest.raises(ValueError, match="convert"):
-        LLM(str(old), progress=False, **ENGINE)
+        LLM(str(old), progress=False, **SMALL_ENGINE)
     (old / "config.json").write_text(json.dumps(config))
     (old / MARKER).write_text(json.dumps({**marker, "quantization": {"method": "int8"}}))
     with pytest.raises(ValueError, match="missing.*embed_scale"):
-        LLM(str(old), progress=False, **ENGINE)
+        LLM(str(old), progress=False, **SMALL_ENGINE)
 
 
 def test_float_checkpoint_is_quantized_as_it_restores(folders):

@@ -15,8 +15,6 @@ from jaxserve.server.state import ServerOptions, ServerState
 from server_helpers import ThreadedServer, serving, wait_until
 from tiny_models import SMALL_ENGINE
 
-# one step program and one decode loop: the shortest warm-up (a step pads to 64 tokens)
-ENGINE = {**SMALL_ENGINE, "token_buckets": (64,), "seq_buckets": (8,)}
 NAME = "tiny"
 INFO_ROUTES = ("/load", "/get_load", "/get_server_info", "/get_model_info")
 
@@ -24,7 +22,7 @@ INFO_ROUTES = ("/load", "/get_load", "/get_server_info", "/get_model_info")
 @pytest.fixture(scope="module")
 def server(folder):
     options = ServerOptions(model=str(folder), served_model_name=[NAME, "tiny-alias"],
-                            dtype="float32", engine_options=ENGINE)
+                            dtype="float32", engine_options=SMALL_ENGINE)
     with serving(options) as running:
         yield running
 
@@ -117,14 +115,14 @@ def test_server_info_and_model_info(server, folder):
     assert "priority" not in info and "cost" not in info and "worker_type" not in info
     assert info["tokenizer_path"] == str(folder) and info["is_generation"] is True
     assert info["served_model_names"] == [NAME, "tiny-alias", f"{NAME}@1"]
-    assert info["max_model_len"] == info["context_length"] == ENGINE["max_model_len"]
+    assert info["max_model_len"] == info["context_length"] == SMALL_ENGINE["max_model_len"]
     engine = info["engine"]
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
                 "num_pages", "num_decode_steps"):
-        assert engine[key] == ENGINE[key], key
+        assert engine[key] == SMALL_ENGINE[key], key
     assert engine["tensor_parallel_size"] == engine["data_parallel_size"] == 1
-    assert info["max_total_num_tokens"] == (ENGINE["num_pages"] - 1) * 16
-    assert info["max_running_requests"] == ENGINE["max_num_seqs"]
+    assert info["max_total_num_tokens"] == (SMALL_ENGINE["num_pages"] - 1) * 16
+    assert info["max_running_requests"] == SMALL_ENGINE["max_num_seqs"]
     assert info["version"] == jaxserve.__version__ and info["jax_version"]
     assert info["model_type"] == "llama" and info["dtype"] == "float32"
     assert [m["served_model_name"] for m in info["models"]] == [NAME]
