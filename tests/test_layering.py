@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "jaxlib", "flax", "torch")
 PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",

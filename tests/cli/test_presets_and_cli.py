@@ -10,6 +10,8 @@ from jaxserve.cli.main import build_parser, resolve_model_settings
 from jaxserve.engine.config import EngineConfig
 from jaxserve.presets import CPU_PRESET, engine_settings, load_preset
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "tpu_configs").glob("*.toml")) + sorted(
     (ROOT / "gpu_configs").glob("*.toml")) + [CPU_PRESET]

@@ -11,6 +11,8 @@ from jaxserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 CONFIG = EngineConfig(max_model_len=64, page_size=16, num_pages=40, max_num_seqs=4,
                       max_num_batched_tokens=32, token_buckets=(16, 32), seq_buckets=(2, 4))
 WORDS = 2  # int32 words of a token bitmask (a vocabulary of up to 64)

@@ -11,6 +11,8 @@ from jaxserve.cli.main import build_parser, flag_options
 from jaxserve.engine.config import EngineConfig, option_specs, options_table
 from jaxserve.presets import load_preset
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 SPECS = option_specs()
 

@@ -17,6 +17,8 @@ from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.sampling_params import SamplingParams
 from tiny_models import build_tokenizer
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 # "The quick brown fox", one token per piece (checked by `ids`).
 FOX = ["The", " ", "q", "u", "ic", "k", " ", "br", "ow", "n", " fox"]
 

@@ -6,6 +6,8 @@ import pytest
 
 from jaxserve.engine.packing import Layout, pack, unpack
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 
 def test_every_field_survives_packing_bit_for_bit():
     rng = np.random.default_rng(0)

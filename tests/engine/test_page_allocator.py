@@ -4,6 +4,8 @@ import pytest
 
 from jaxserve.engine.page_allocator import PageAllocator
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 PAGE = 4
 
 

@@ -32,7 +32,7 @@ def test_engines_with_the_same_programs_share_them(tmp_path):
         engines.append(LLM(str(folder), dtype="float32", progress=False, **SMALL_ENGINE))
         mappings.append(memory_mappings()[0])
     held = [dict(engine.engine.runner._compiled) for engine in engines]  # bucket → program
-    assert len(held[0]) == 6  # (2 token buckets x 2 seq buckets + 2 decode)
+    assert len(held[0]) == 2  # one step program, one decode loop
     # the later engines compiled nothing: they run the first one's executables
     assert all(other[bucket] is program for other in held[1:]
                for bucket, program in held[0].items())
@@ -49,7 +49,7 @@ def test_other_options_compile_their_own_programs(tmp_path):
     build_model("llama", tmp_path)
     small = LLM(str(tmp_path), dtype="float32", progress=False, **SMALL_ENGINE)
     other = LLM(str(tmp_path), dtype="float32", progress=False,
-                **{**SMALL_ENGINE, "max_num_seqs": 4, "seq_buckets": (4,)})
+                **{**SMALL_ENGINE, "max_num_seqs": 4, "seq_buckets": (2, 4)})
     held = [llm.engine.stats().compiled_programs for llm in (small, other)]
-    assert held == [6, 3]  # (2 token buckets x 2 seq buckets + 2 decode), (2 + 1)
+    assert held == [2, 4]  # (step + decode), (2 seq buckets x (step + decode))
     assert process_programs() >= sum(held)

@@ -8,6 +8,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 
 def make_scheduler(num_pages=40, budget=32, max_num_seqs=4, decode_steps=4, caching=False):
     config = EngineConfig(max_model_len=64, page_size=16, num_pages=num_pages,

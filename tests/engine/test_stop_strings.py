@@ -4,6 +4,8 @@ import pytest
 
 from jaxserve.engine.stop_strings import find_stop
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 
 @pytest.mark.parametrize("text, new_len, stops, expected", [
     # "world" is new; "wor" starts at index 6 of "hello world".

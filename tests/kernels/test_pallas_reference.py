@@ -5,6 +5,8 @@ import pytest
 
 from pallas_kernels import reference
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 
 def dense_attention(q, k, v, q_pos, kv_len, sm_scale, soft_cap=None, window=None):
     """One query [Hq, D] against contiguous k, v [L, Hkv, D]; plain numpy float64."""

@@ -9,6 +9,8 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from tiny_models import build_tokenizer
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 TEXT = "Héllo wörld 🦊🌲 日本語 and ∑ √ done."
 
 

@@ -8,6 +8,8 @@ import pytest
 from jaxserve.model.config import config_from_hf, load_config
 from jaxserve.model.rope import inverse_frequencies
 
+pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
+
 BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,

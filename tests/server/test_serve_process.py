@@ -122,7 +122,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/does/not/exist"], "is not a folder"),
-    (["--page-size", "7"], "page_size must be one of"),
+    (["--page-size", "7"], "--page-size: invalid choice: 7 (choose from 16, 32, 64, 128)"),
     (["--max-num-seqs", "600"], "max_num_batched_tokens (512) must be >= max_num_seqs (600)"),
     (["--tensor-parallel-size", "64"], "tensor_parallel_size (64)"),
 ], ids=["missing-model", "page-size", "conflict", "mesh"])
