@@ -187,7 +187,6 @@ class OptionSpec:
 
     name: str
     kind: str
-    nullable: bool
     default: Any
     section: str
     help: str
@@ -204,14 +203,13 @@ def option_specs() -> tuple[OptionSpec, ...]:
     specs = []
     for field in dataclasses.fields(EngineConfig):
         kinds = [k.strip() for k in str(field.type).split("|")]
-        nullable = "None" in kinds
         kind = next(k for k in kinds if k != "None")
         kind = "ints" if kind.startswith("tuple[int") else kind
         if kind not in ("int", "float", "bool", "str", "ints"):
             raise TypeError(f"EngineConfig.{field.name}: no flag or preset type for {kind}")
         meta = field.metadata
-        specs.append(OptionSpec(field.name, kind, nullable, field.default, meta["section"],
-                                meta["help"], meta["choices"], meta["aliases"]))
+        specs.append(OptionSpec(field.name, kind, field.default, meta["section"], meta["help"],
+                                meta["choices"], meta["aliases"]))
     return tuple(specs)
 
 
