@@ -8,7 +8,9 @@
 `model` is a Hugging Face folder (safetensors) or an orbax checkpoint folder written by
 `jaxserve.loading.checkpoint.convert`; either way each device receives only its shard of the weights
 on the mesh that `tensor_parallel_size` / `data_parallel_size` describe.
-Prompts are strings (tokenized with the model's tokenizer) or `{"prompt_token_ids": [...]}`.
+Prompts are strings (tokenized with the model's tokenizer), `{"prompt": str}` or
+`{"prompt_token_ids": [...]}`, as in vLLM; a dict may also carry `cache_salt` (its prefix-cache
+pages are shared only with prompts of the same salt).
 Generation runs through the serving engine (paged KV cache, continuous batching); engine
 options are keyword arguments, named as in vLLM (see `EngineConfig`), on top of the platform's
 preset (cpu.toml on CPU; `config=` names another, see `jaxserve.presets`).
@@ -113,6 +115,8 @@ class LLM:
 
     # ---- prompts ----------------------------------------------------------------------
     def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = prompt["prompt"]  # a text prompt given as vLLM's TextPrompt
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", f"prompts[{index}] is empty")
@@ -128,13 +132,15 @@ class LLM:
                                           "integers")
         else:
             raise InvalidRequestError("prompt", f"prompts[{index}] must be a str or a dict "
-                                      "with 'prompt_token_ids'")
+                                      "with 'prompt' or 'prompt_token_ids'")
         return text, ids
 
     def _sequence(self, index: int, prompt, params: SamplingParams):
         text, ids = self._prompt_ids(prompt, index)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         try:
-            return self.engine.make_sequence(str(next(self._request_ids)), ids, params, text)
+            return self.engine.make_sequence(str(next(self._request_ids)), ids, params, text,
+                                             salt)
         except ValueError as err:
             raise InvalidRequestError(getattr(err, "field", None),
                                       f"prompts[{index}]: {err}") from None

@@ -9,9 +9,16 @@ KV rows fold into TPU lanes is `pallas_kernels.kv_quant.tokens_per_row`'s.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
+import sys
 from pathlib import Path
 
 PRESETS = Path(__file__).with_name("presets")
+# Device files of each accelerator kind: (the JAX platform, globs, any of which present).
+DEVICE_FILES = (("tpu", ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")),
+                ("cuda", ("/dev/nvidia[0-9]*",)),
+                ("rocm", ("/dev/kfd",)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +54,24 @@ def platform(name: str | None = None) -> Platform:
     if name not in PLATFORMS:
         raise ValueError(f"platform must be one of {list(PLATFORMS)}, got {name!r}")
     return PLATFORMS[name]
+
+
+def host_jax_platforms() -> str:
+    """The JAX platforms this host can run, from its device files: "tpu,cpu", "cuda,cpu",
+    "rocm,cpu" or "cpu". The command line sets it (unless `JAX_PLATFORMS` is set) so that a
+    CPU machine with the `aot` extra installed does not probe libtpu and the CUDA plugin and
+    print their failures, while an accelerator that is present and fails still fails loudly."""
+    for name, patterns in DEVICE_FILES:
+        if any(glob.glob(pattern) for pattern in patterns):
+            return f"{name},cpu"
+    return "cpu"
+
+
+def choose_jax_platforms() -> None:
+    """Point JAX at `host_jax_platforms()` unless the user named platforms already."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    os.environ["JAX_PLATFORMS"] = host_jax_platforms()
+    jax = sys.modules.get("jax")
+    if jax is not None and not jax.config.jax_platforms:  # imported before the choice
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

@@ -1,6 +1,6 @@
 """The `jaxserve` command line: `serve`, `generate`, `bench serve`, `convert`.
 
-    jaxserve serve [--model PATH] [--config PRESET.toml] [--host 127.0.0.1] [--port 8000]
+    jaxserve serve [--model PATH] [--config PRESET] [--host 127.0.0.1] [--port 8000]
     jaxserve serve --models models.toml   (several models and versions; see jaxserve.fleet)
     jaxserve generate "Once upon a time" [--max-tokens 64] [--chat]
     jaxserve bench serve --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
@@ -14,12 +14,13 @@
     jaxserve bench quality [--model PATH] [--text FILE]
     jaxserve bench load [--model PATH] [--source-dtype float32] [--variants none int8 fp8]
     jaxserve convert --model HF_DIR --out CKPT_DIR [--quantization int8|fp8]
-    jaxserve plan --config tpu_configs/v6e-8.toml [--model DIR] [--json]
+    jaxserve plan --list                  (the presets that ship with jaxserve)
+    jaxserve plan --config v6e-8 [--model DIR] [--json]
                   [--buckets ends|largest|all] [--quantization int8|fp8] [--kv-cache-dtype ...]
     jaxserve plan --models models.toml
 
 Options are named as vLLM users know them. Settings come from, in rising priority: the
-built-in defaults, the preset (`--config FILE`; the `cpu` preset on CPU), then flags given
+built-in defaults, the preset (`--config NAME|FILE`; the `cpu` preset on CPU), then flags given
 explicitly (see `jaxserve.presets.engine_settings`).
 """
 
@@ -48,7 +49,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face model folder or jaxserve orbax checkpoint "
                              "(default: the small model shipped with jaxserve)")
     parser.add_argument("--config", default=None,
-                        help="deployment preset (TOML, see tpu_configs/ and gpu_configs/)")
+                        help="deployment preset: a shipped one's name (v6e-8, h200-1; "
+                             "`jaxserve plan --list`) or a TOML file")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     for spec in option_specs():
         names = (spec.flag, *spec.aliases)
@@ -94,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_need_api_key and not args.api_key:
         raise ValueError("--metrics-need-api-key needs --api-key (the key /metrics would ask)")
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    listener = _listen_socket(args.host, args.port) if multihost.is_leader() else None
     if args.models is not None:
         options = _models_file_options(args)
     else:
@@ -120,11 +123,28 @@ def _serve(args: argparse.Namespace) -> int:
     state.on_fatal = lambda: setattr(server, "should_exit", True)  # exit once it is closed
     if args.models is not None:
         _reload_on_sighup(state)
-    server.run()
+    server.run(sockets=[listener])
     if state.fatal_error:
         print(f"jaxserve: error: {state.fatal_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _listen_socket(host: str, port: int):
+    """The server's socket, bound before anything loads: a port in use is exit 2 in a second,
+    not a failure after minutes of loading and compiling."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err} (another "
+                         "server there? choose another --port)") from None
+    return sock
 
 
 def _models_file_options(args: argparse.Namespace):
@@ -223,8 +243,12 @@ def _plan(args: argparse.Namespace) -> int:
         from jaxserve.aot.models_plan import run_models_plan
 
         return run_models_plan(args)
+    if args.list:
+        print(_presets_table())
+        return 0
     if not args.config:
-        raise ValueError("plan needs --config PRESET (a file in tpu_configs/ or gpu_configs/)")
+        raise ValueError("plan needs --config PRESET (a shipped preset's name, see "
+                         "`jaxserve plan --list`, or a TOML file)")
     preset = load_preset(args.config)
     plan_target(preset)  # a preset that cannot be planned fails before any work
     import jax
@@ -238,6 +262,25 @@ def _plan(args: argparse.Namespace) -> int:
                       model_name=args.model or preset.plan_model)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan, args.verbose))
     return 0 if plan["fits"] else 1
+
+
+def _presets_table() -> str:
+    """The shipped presets, one line each: what hardware, which mesh, which limits."""
+    from jaxserve.presets import load_preset, shipped_presets
+
+    rows = [("name", "platform", "chip", "devices", "tp x dp", "dtype", "max_model_len",
+             "max_num_seqs", "planned with")]
+    for name, path in shipped_presets().items():
+        preset = load_preset(path)
+        options = preset.engine_options
+        rows.append((name, preset.platform, preset.accelerator or "-", str(preset.devices),
+                     f"{options.get('tensor_parallel_size', 1)} x "
+                     f"{options.get('data_parallel_size', 1)}", preset.dtype or "auto",
+                     str(options.get("max_model_len", "model's")),
+                     str(options.get("max_num_seqs", "-")), preset.plan_model or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan every engine of a models file together (engines sharing a "
                            "device must fit together)")
     plan.set_defaults(model=None)
+    plan.add_argument("--list", action="store_true",
+                      help="list the presets that ship with jaxserve, then exit")
     plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     plan.add_argument("--buckets", choices=("ends", "largest", "all"), default="ends",
                       help="which bucket programs to compile: each kind's smallest and largest "
@@ -357,6 +402,10 @@ def _print_stacks_on_native_crash() -> None:
 def main(argv: list[str] | None = None) -> int:
     _print_stacks_on_native_crash()
     args = build_parser().parse_args(argv)
+    from jaxserve.platforms import choose_jax_platforms
+
+    if args.command != "plan":  # plan compiles on the host's CPU for any target
+        choose_jax_platforms()  # before jax starts: no probing for chips that are not there
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         return args.handler(args)

@@ -203,8 +203,13 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, prompt: str | None = None) -> Sequence:
-        """Validate a request and build its sequence (raises `InvalidRequestError`)."""
+                      params: SamplingParams, prompt: str | None = None,
+                      cache_salt: str | None = None) -> Sequence:
+        """Validate a request and build its sequence (raises `InvalidRequestError`).
+        `cache_salt` (vLLM's field): the request shares prefix-cache pages only with requests
+        of the same salt."""
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise InvalidRequestError("prompt", "prompt has no tokens")
@@ -235,7 +240,7 @@ class Engine:
                                           "the grammar allows no first token")
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed,
                         max_new_tokens=max_new, stop_token_ids=frozenset(stops), prompt=prompt,
-                        grammar=grammar)
+                        grammar=grammar, cache_salt=cache_salt)
 
     def grammar_compiler(self):
         """The compiler of structured-output grammars for this model's tokenizer (built on

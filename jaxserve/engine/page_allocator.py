@@ -2,9 +2,13 @@
 
 Page 0 is never handed out: padding tokens and padding sequences point at it.
 
-Prefix caching: a full page is keyed by a hash chained over every token before it and in it,
-so equal keys mean equal K/V. A new request reuses the pages of its longest cached prefix
-(reference counted; full pages are never written again, so no copy-on-write is needed).
+Prefix caching: a full page is keyed by SHA-256 chained over every token before it and in it,
+starting from a root key of whatever else changes K/V (a request's `cache_salt`), as vLLM
+keys its pages: a crafted prompt cannot be steered onto another request's K/V by a hash
+collision. Each cached page also keeps its parent key and tokens, and a hit must match them,
+so even a colliding key function (see the tests) only costs a recomputation. A new request
+reuses the pages of its longest cached prefix (reference counted; full pages are never
+written again, so no copy-on-write is needed).
 A page whose count drops to zero keeps its key and waits in an LRU list; it is evicted, and
 its key forgotten, only when a fresh page is needed and none is free.
 """
@@ -12,27 +16,43 @@ its key forgotten, only when a fresh page is needed and none is free.
 from __future__ import annotations
 
 import collections
+import hashlib
+from array import array
+from collections.abc import Callable
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Key of a full page given the key of the page before it."""
-    return hash((parent, tokens))
+def root_key(cache_salt: str | None = None) -> bytes:
+    """The key the first page of a sequence chains from: distinct per `cache_salt`, so
+    requests with different salts never share a page."""
+    return hashlib.sha256(b"jaxserve-prefix\0" + (cache_salt or "").encode()).digest()
+
+
+def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """SHA-256 of a full page: the key of the page before it (or the root) and its tokens."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+PageKey = Callable[[bytes, tuple[int, ...]], bytes]
 
 
 class PageAllocator:
     """Hands out page ids; tracks sharing and the prefix cache."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 key_of: PageKey = page_key):
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is padding), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.key_of = key_of
         self._refcount = [0] * num_pages
         self._free = collections.deque(range(1, num_pages))  # unkeyed pages, count 0
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._page_of_hash: dict[int, int] = {}
-        self._hash_of_page: dict[int, int] = {}
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
+        # What each keyed page holds, checked on every hit: (parent key, tokens).
+        self._content_of_page: dict[int, tuple[bytes, tuple[int, ...]]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -65,6 +85,7 @@ class PageAllocator:
             else:
                 page, _ = self._evictable.popitem(last=False)  # least recently used
                 del self._page_of_hash[self._hash_of_page.pop(page)]
+                del self._content_of_page[page]
             self._refcount[page] = 1
             pages.append(page)
         return pages
@@ -89,6 +110,7 @@ class PageAllocator:
             if key is None:
                 continue
             del self._page_of_hash[key]
+            del self._content_of_page[page]
             if page in self._evictable:
                 del self._evictable[page]
                 self._free.append(page)
@@ -97,7 +119,8 @@ class PageAllocator:
         """Empty the prefix cache (the KV cache behind it was lost)."""
         self.forget(list(self._hash_of_page))
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: list[int],
+                     cache_salt: str | None = None) -> tuple[list[int], list[bytes]]:
         """Cached pages of the longest prefix of `token_ids` made of full pages, with their
         keys; the pages are referenced for the caller. At least one token is left
         uncomputed, since the step that computes it produces the next token's logits."""
@@ -105,11 +128,12 @@ class PageAllocator:
             return [], []
         usable = (len(token_ids) - 1) // self.page_size
         self.prefix_queries += len(token_ids)
-        pages, hashes, parent = [], [], None
+        pages, hashes, parent = [], [], root_key(cache_salt)
         for i in range(usable):
-            key = chain_hash(parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
+            key = self.key_of(parent, tokens)
             page = self._page_of_hash.get(key)
-            if page is None:
+            if page is None or self._content_of_page[page] != (parent, tokens):
                 break
             if self._refcount[page] == 0:
                 del self._evictable[page]
@@ -121,15 +145,18 @@ class PageAllocator:
         return pages, hashes
 
     def register_full_pages(self, token_ids: list[int], pages: list[int],
-                            page_hashes: list[int], num_computed: int) -> None:
+                            page_hashes: list[bytes], num_computed: int,
+                            cache_salt: str | None = None) -> None:
         """Key the pages that `num_computed` tokens have filled; extends `page_hashes`."""
         if not self.enable_prefix_caching:
             return
         full = num_computed // self.page_size
         for i in range(len(page_hashes), full):
-            parent = page_hashes[-1] if page_hashes else None
-            key = chain_hash(parent, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            parent = page_hashes[-1] if page_hashes else root_key(cache_salt)
+            tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
+            key = self.key_of(parent, tokens)
             page_hashes.append(key)
             if key not in self._page_of_hash and pages[i] not in self._hash_of_page:
                 self._page_of_hash[key] = pages[i]
                 self._hash_of_page[pages[i]] = key
+                self._content_of_page[pages[i]] = (parent, tokens)

@@ -203,7 +203,8 @@ class Scheduler:
         known = min(seq.num_computed_tokens, seq.num_tokens - pending)
         filled = known // self.config.page_size > len(seq.page_hashes)
         if filled and self.allocator.enable_prefix_caching:
-            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes, known)
+            self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes, known,
+                                               seq.cache_salt)
 
     def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
                     fed: list[int]) -> list[SequenceUpdate]:
@@ -285,7 +286,8 @@ class Scheduler:
             # A request that wants its prompt's log-probabilities computes every prompt token
             # (a cached page has K/V, not the logits); it still keys its pages for others.
             if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
-                seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids)
+                seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids,
+                                                                        seq.cache_salt)
                 seq.num_computed_tokens = len(seq.pages) * self.config.page_size
                 if not seq.output_token_ids:
                     seq.num_cached_tokens = seq.num_computed_tokens

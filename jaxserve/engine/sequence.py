@@ -111,7 +111,8 @@ class Sequence:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
-    page_hashes: list[int] = dataclasses.field(default_factory=list)  # of full pages, in order
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages, in order
+    cache_salt: str | None = None  # prefix-cache isolation: pages shared only with the same salt
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     # The row, in the step still on device, whose sampled token is the PENDING token at the
     # end of `output_token_ids` (the next step reads it there on device).

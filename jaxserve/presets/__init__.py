@@ -1,6 +1,8 @@
 """Deployment presets: TOML files that fix a mesh, dtype, KV-cache and batching settings for
-one kind of hardware (`tpu_configs/`, `gpu_configs/` at the repository root; `cpu.toml`
-here, used by default on CPU).
+one kind of hardware (`tpu_configs/`, `gpu_configs/` at the repository root, which ship in
+the package through the links of the same names here; `cpu.toml` here, used by default on
+CPU). A preset is named by its file's stem (`--config v6e-8`, `jaxserve plan --list`) or
+given as a path.
 
     [hardware]  platform = "tpu" | "gpu" | "cpu", devices = chips the preset expects,
                 accelerator = the chip kind ("v5e", "v6e", "v5p", "h100", "h200", "a100-80g")
@@ -15,9 +17,11 @@ The header comment's numbers (KV GiB, tokens, compile times) come from
 `jaxserve plan --config PRESET` with the `[plan]` model, not from arithmetic by hand.
 
 `engine_settings` is how `LLM` and the command line apply a preset: cpu.toml on CPU when none
-is named, flags and keyword arguments on top. An override of `max_num_seqs` or
-`max_num_batched_tokens` re-derives the preset's ladder for it (its rungs below the new limit,
-then the limit), so a flag never fails against the preset's ladders.
+is named, flags and keyword arguments on top; a preset for another platform than the
+devices present is refused (`jaxserve plan` compiles for it without the hardware). An
+override of `max_num_seqs` or `max_num_batched_tokens` re-derives the preset's ladder for it
+(its rungs below the new limit, then the limit), so a flag never fails against the preset's
+ladders.
 
 Every field is checked when the file is read: an unknown section or field, a wrong type, or
 a mesh that does not fit the declared devices is a `ValueError` naming it.
@@ -36,6 +40,26 @@ from jaxserve.platforms import platform as platform_traits
 
 CPU_PRESET = PLATFORMS["cpu"].default_preset
 REFERENCE_MODELS = Path(__file__).with_name("reference_models")
+PRESET_FOLDERS = [Path(__file__).with_name(name) for name in ("tpu_configs", "gpu_configs")]
+
+
+def shipped_presets() -> dict[str, Path]:
+    """name → file of every preset that ships with jaxserve."""
+    found = {path.stem: path for folder in PRESET_FOLDERS
+             for path in sorted(folder.glob("*.toml"))}
+    return {**found, CPU_PRESET.stem: CPU_PRESET}
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """The file of a preset given by path, or by the name of a shipped one (`v6e-8`)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_presets()
+    if str(name_or_path) in shipped:
+        return shipped[str(name_or_path)]
+    raise ValueError(f"config {str(name_or_path)!r} is neither a preset file nor a shipped "
+                     f"preset's name; shipped: {', '.join(shipped)} (`jaxserve plan --list`)")
 
 # an engine option's kind → the TOML value types it accepts
 TOML_TYPES = {"int": int, "float": (float, int), "bool": bool, "str": str, "ints": list}
@@ -86,6 +110,11 @@ def engine_settings(config: str | Path | None, platform: str,
     if path is None:
         return None, dict(overrides)
     preset = load_preset(path)
+    if preset.platform != platform:
+        name = preset.path.stem
+        raise ValueError(f"preset {name} is for {preset.platform}; this machine has {platform} "
+                         f"devices — leave out --config, or use `jaxserve plan --config {name}` "
+                         "to compile for it without the hardware")
     options = {**preset.engine_options, **overrides}
     for ladder, limit in LADDER_LIMITS.items():
         if ladder in preset.engine_options and ladder not in overrides and limit in overrides:
@@ -113,8 +142,8 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_preset(path: str | Path) -> Preset:
-    """Read and validate one preset file."""
-    path = Path(path)
+    """Read and validate one preset, given by file or shipped name."""
+    path = preset_path(path)
     data = read_toml(path, "config file")
     values: dict[str, dict[str, Any]] = {section: {} for section in SCHEMA}
     for section, fields in data.items():

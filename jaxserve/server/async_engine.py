@@ -164,7 +164,7 @@ class AsyncEngine:
 
     # ---- handler side -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None) -> Sequence:
+               prompt: str | None = None, cache_salt: str | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
         with self._lock:  # counted here: queued requests the scheduler has not seen yet too
@@ -175,7 +175,8 @@ class AsyncEngine:
             waiting = sum(seq.status is Status.WAITING for seq in self._sequences.values())
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
-        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt)
+        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt,
+                                        cache_salt)
         with self._lock:
             if self._retired:  # retired while this request was being validated
                 raise RetiredError("this model version is being removed")

@@ -123,7 +123,7 @@ class Job:
         params = self.body.sampling_params(max_tokens, logprobs, j,
                                            self.prompt_logprobs_count(), self.structured)
         request_id = f"{self.id}-{index}"
-        self.engine.submit(request_id, ids, params, text)
+        self.engine.submit(request_id, ids, params, text, self.body.cache_salt)
         self.choices.append(Choice(index, request_id, ids, logprobs, self.echo_text(text, ids)))
 
     # ---- bodies -------------------------------------------------------------------------

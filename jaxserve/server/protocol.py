@@ -77,6 +77,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only within one salt
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 

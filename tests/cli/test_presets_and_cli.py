@@ -1,5 +1,6 @@
 """Deployment presets and the command line."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,8 @@ import pytest
 
 from jaxserve.cli.main import build_parser, resolve_model_settings
 from jaxserve.engine.config import EngineConfig
-from jaxserve.presets import CPU_PRESET, engine_settings, load_preset
+from jaxserve.platforms import host_jax_platforms
+from jaxserve.presets import CPU_PRESET, engine_settings, load_preset, shipped_presets
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
 
@@ -21,6 +23,53 @@ EXPECTED = {"v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-8", "v5p-8", "h100-1", "h10
 
 def test_every_expected_preset_exists():
     assert {p.stem for p in PRESETS} == EXPECTED
+
+
+def test_presets_ship_in_the_package_and_are_named():
+    """The package reaches the repository's preset folders through links (so a wheel holds
+    them: pyproject's package-data), and a preset is named by its file's stem."""
+    shipped = shipped_presets()
+    assert set(shipped) == EXPECTED
+    assert {p.resolve() for p in shipped.values()} == {p.resolve() for p in PRESETS}
+    assert load_preset("v6e-8").engine_options == load_preset(
+        ROOT / "tpu_configs" / "v6e-8.toml").engine_options
+    with pytest.raises(ValueError, match="shipped: v5e-1, .*h200-1"):
+        load_preset("v6e-9")
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "plan", "--list"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
+    assert rows == {name: load_preset(path).platform for name, path in shipped.items()}
+
+
+def test_a_preset_for_other_hardware_is_refused_before_anything_loads():
+    """`serve --config h200-1` on CPU: exit 2 naming the platforms before the weights are
+    read, and no line from probing libtpu or CUDA (the command line points JAX at the
+    platforms whose device files this host has)."""
+    with pytest.raises(ValueError, match="preset h200-1 is for gpu; this machine has cpu"):
+        engine_settings("h200-1", "cpu", {})
+    if host_jax_platforms() != "cpu":
+        pytest.skip("this host has an accelerator")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--config", "h200-1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "jaxserve: error: preset h200-1 is for gpu; this machine has cpu devices — leave out "
+        "--config, or use `jaxserve plan --config h200-1` to compile for it without the "
+        "hardware"]
+
+
+def test_the_host_platforms_come_from_its_device_files(tmp_path, monkeypatch):
+    import jaxserve.platforms as platforms
+
+    monkeypatch.setattr(platforms, "DEVICE_FILES", (
+        ("tpu", (str(tmp_path / "accel[0-9]*"),)), ("cuda", (str(tmp_path / "nvidia[0-9]*"),))))
+    assert host_jax_platforms() == "cpu"
+    (tmp_path / "nvidia0").touch()
+    assert host_jax_platforms() == "cuda,cpu"
+    (tmp_path / "accel0").touch()
+    assert host_jax_platforms() == "tpu,cpu"
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)

@@ -7,6 +7,7 @@ import pytest
 
 from jaxserve.model.dense_generation import DenseGenerator
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.page_allocator import page_key
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampler import SamplingArrays
 from jaxserve.sampling_params import SamplingParams
@@ -112,6 +113,41 @@ def test_prefix_cache_hits_and_outputs_unchanged(model, folder):
     assert engine.stats().prefix_cache_hits == 48
     assert [second["b"].output_token_ids] == dense_reference(model, [shared + [61, 62]],
                                                              [params], [0])
+
+
+def test_a_colliding_page_key_or_another_cache_salt_computes_its_own_kv(model, folder):
+    """Page keys are SHA-256 (`page_allocator`); even a key function that gives every page
+    one key (injected here) cannot hand a request another's K/V, since a hit must hold the
+    same parent and tokens. Requests with different `cache_salt` share no page."""
+    engine = make_engine(model, folder)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first, other = list(range(2, 50)) + [60], list(range(100, 148)) + [61]
+
+    def run(request_id, prompt, salt=None):
+        seq = engine.make_sequence(request_id, prompt, params, cache_salt=salt)
+        engine.enqueue(seq)
+        while engine.has_unfinished():
+            engine.step()
+        return seq
+
+    for replica in engine.replicas:
+        replica.allocator.key_of = lambda parent, tokens: b"one key for every page"
+    run("a", first)
+    collided = run("b", other)
+    assert collided.num_cached_tokens == 0
+    assert [collided.output_token_ids] == dense_reference(model, [other], [params], [0])
+
+    for replica in engine.replicas:
+        replica.allocator.key_of = page_key
+        replica.allocator.forget_all()
+    assert run("c", first, salt="tenant-1").num_cached_tokens == 0
+    assert run("d", first, salt="tenant-2").num_cached_tokens == 0
+    assert run("e", first).num_cached_tokens == 0
+    again = run("f", first, salt="tenant-1")
+    assert again.num_cached_tokens == 48
+    assert [again.output_token_ids] == dense_reference(model, [first], [params], [0])
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.make_sequence("g", first, params, cache_salt="")
 
 
 def test_generated_text_is_prefix_cached_after_a_decode_loop(model, folder):

@@ -85,3 +85,32 @@ def test_prefix_caching_off_never_matches():
     alloc = PageAllocator(num_pages=20, page_size=PAGE, enable_prefix_caching=False)
     _fill(alloc, list(range(13)))
     assert alloc.match_prefix(list(range(13))) == ([], [])
+
+
+def test_page_keys_are_sha256_chained_from_the_salt():
+    """Each key is SHA-256 of the parent key and the page's tokens (int64), from a root that
+    hashes the cache salt, recomputed here with hashlib."""
+    import hashlib
+    import struct
+    alloc = PageAllocator(num_pages=20, page_size=PAGE)
+    tokens = list(range(9))
+    _, keys = _fill(alloc, tokens)
+    salted = PageAllocator(num_pages=20, page_size=PAGE)
+    salted_keys = []
+    salted.register_full_pages(tokens, salted.allocate(3), salted_keys, 9, cache_salt="t1")
+    for salt, got in ((None, keys), ("t1", salted_keys)):
+        parent = hashlib.sha256(b"jaxserve-prefix\0" + (salt or "").encode()).digest()
+        for i, key in enumerate(got):
+            page = struct.pack(f"{PAGE}q", *tokens[i * PAGE:(i + 1) * PAGE])
+            parent = hashlib.sha256(parent + page).digest()
+            assert key == parent
+    assert keys != salted_keys
+    assert alloc.match_prefix(tokens, cache_salt="t1") == ([], [])
+
+
+def test_a_hit_must_hold_the_same_tokens_whatever_the_key_function():
+    alloc = PageAllocator(num_pages=20, page_size=PAGE, key_of=lambda parent, tokens: b"k")
+    pages, _ = _fill(alloc, list(range(8)))
+    assert alloc.match_prefix(list(range(50, 59))) == ([], [])
+    hit, _ = alloc.match_prefix(list(range(9)))
+    assert hit == pages[:1]  # the second page's key is the first's: registered once only

@@ -4,6 +4,7 @@ SIGTERM draining in-flight requests before exit."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -134,6 +135,20 @@ def test_options_that_cannot_work_exit_2_before_serving(args, message):
                              timeout=120)
     assert process.returncode == 2
     assert message in process.stderr and "Uvicorn running" not in process.stderr
+
+
+def test_a_port_in_use_exits_2_before_loading():
+    """The socket is bound first: a port another process listens on is exit 2 in seconds,
+    naming the port, before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--port",
+                                  str(port)], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in process.stderr
+    assert "Loading" not in process.stderr and "Compiling" not in process.stderr
 
 
 def test_a_model_that_fails_to_load_exits_non_zero(tmp_path):
