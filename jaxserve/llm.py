@@ -5,7 +5,8 @@
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
 
-`model` is a Hugging Face folder (safetensors) or an orbax checkpoint folder written by
+`model` is a Hugging Face folder (safetensors), a Hub id (`ORG/NAME[@REVISION]`, through the
+local Hugging Face cache; see `jaxserve.loading.hub`) or an orbax checkpoint folder written by
 `jaxserve.loading.checkpoint.convert`; either way each device receives only its shard of the weights
 on the mesh that `tensor_parallel_size` / `data_parallel_size` describe.
 Prompts are strings (tokenized with the model's tokenizer), `{"prompt": str}` or
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxserve.loading import checkpoint
+from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
                                    with_quantization)
 from jaxserve.engine.engine import Engine, engine_mesh
@@ -71,9 +73,7 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     """The model folder's config, the preset with the options on top, and the engine config
     they make, checked against each other (`ValueError` naming what is wrong). Cheap: what
     `jaxserve serve` runs before it opens its socket."""
-    model_dir = Path(model)
-    if not model_dir.is_dir():
-        raise ValueError(f"model {model!r} is not a folder")
+    model_dir = resolve_model(model)
     model_config = checkpoint.model_config(model_dir)
     preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
                                                    engine_options)

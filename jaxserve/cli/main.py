@@ -46,8 +46,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     from jaxserve.engine.config import option_specs
 
     parser.add_argument("--model", default=None,
-                        help="Hugging Face model folder or jaxserve orbax checkpoint "
-                             "(default: the small model shipped with jaxserve)")
+                        help="Hugging Face model folder, Hub id (ORG/NAME[@REVISION], "
+                             "through the local HF cache; HF_HUB_OFFLINE=1 reads only it) or "
+                             "jaxserve orbax checkpoint (default: the small model shipped "
+                             "with jaxserve)")
     parser.add_argument("--config", default=None,
                         help="deployment preset: a shipped one's name (v6e-8, h200-1; "
                              "`jaxserve plan --list`) or a TOML file")

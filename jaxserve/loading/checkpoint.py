@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 
 import sharding
 
+from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, WeightQuantization, load_config, resolve_dtype,
                                    with_quantization)
 from jaxserve.model import LlamaModel
@@ -106,7 +107,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     device.
     """
 
-    src, out = Path(model_dir), Path(out_dir).absolute()
+    src, out = resolve_model(model_dir), Path(out_dir).absolute()
     if not src.is_dir():
         raise ValueError(f"model_dir {str(model_dir)!r} is not a folder")
     if out.exists() and any(out.iterdir()):

@@ -125,9 +125,13 @@ def engine_settings(config: str | Path | None, platform: str,
 
 def reference_model_dir(name_or_path: str) -> Path:
     """A shipped reference shape by name (`reference_models/<name>/config.json`), else the
-    path itself."""
+    folder or Hub id's config (`jaxserve.loading.hub`)."""
+    from jaxserve.loading.hub import resolve_model
+
     shipped = REFERENCE_MODELS / name_or_path
-    return shipped if (shipped / "config.json").is_file() else Path(name_or_path)
+    if (shipped / "config.json").is_file():
+        return shipped
+    return resolve_model(name_or_path, config_only=True)
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:

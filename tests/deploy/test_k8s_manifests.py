@@ -5,6 +5,8 @@ against --drain-timeout, and every metric the dashboard, alerts and autoscaler q
 present on a live server's /metrics."""
 
 import copy
+import re
+import tomllib
 
 import jsonschema
 import kubernetes_validate
@@ -114,7 +116,7 @@ def test_gpu_deployment_args_parse():
     template = find("Deployment", "jaxserve")["spec"]["template"]
     args = parse(container(template))
     check_http_server(template, args)
-    preset = load_preset(REPO / args.config)
+    preset = load_preset(args.config)  # a shipped preset, by name
     assert preset.platform == "gpu"
     assert preset.devices == container(template)["resources"]["limits"]["nvidia.com/gpu"]
     assert (args.coordinator_address, args.num_processes, args.process_id) == (None,) * 3
@@ -141,7 +143,7 @@ def test_lws_args_parse_into_a_multihost_group():
     for side in topology.split("x"):
         chips *= int(side)
     assert args.tensor_parallel_size == size * chips_per_host == chips
-    assert load_preset(REPO / args.config).platform == "tpu"
+    assert load_preset(args.config).platform == "tpu"
     # workers follow the leader's steps until it stops them: they outlive its drain
     assert sleep_seconds(container(worker)) >= sleep_seconds(container(leader)) + \
         args.drain_timeout
@@ -202,3 +204,26 @@ def test_every_queried_metric_is_served(live_metrics):
                    "vllm:num_requests_waiting", "vllm:num_requests_running",
                    "vllm:kv_cache_usage_perc", "vllm:request_success_total"):
         assert needed in queried
+
+
+def test_the_images_are_the_ones_the_dockerfiles_build_with_the_readme_extras():
+    """deploy/docker builds `jaxserve:cuda` and `jaxserve:tpu` with the extras of the same
+    name (pyproject), which the README's install section names; the GPU Deployment runs the
+    first and the TPU LeaderWorkerSet the second."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    readme = (REPO / "README.md").read_text()
+    built = {}
+    for extra in ("cuda", "tpu"):
+        dockerfile = REPO / "deploy" / "docker" / f"{extra}.Dockerfile"
+        text = dockerfile.read_text()
+        build = re.search(r"docker build -f (\S+) -t (\S+) \.", text)
+        assert build and build[1] == f"deploy/docker/{extra}.Dockerfile"
+        built[extra] = build[2]
+        assert re.search(rf'^RUN pip install .*"/app\[{extra}\]"$', text, re.MULTILINE)
+        assert any(dep.startswith("jax[") for dep in extras[extra])
+        assert f'pip install ".[{extra}]"' in readme
+        assert f"docker build -f deploy/docker/{extra}.Dockerfile -t {built[extra]} ." in readme
+    images = {kind: {container(t)["image"] for t in pod_templates(find(kind))}
+              for kind in ("Deployment", "LeaderWorkerSet")}
+    assert images == {"Deployment": {built["cuda"]}, "LeaderWorkerSet": {built["tpu"]}}
