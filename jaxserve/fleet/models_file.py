@@ -3,9 +3,9 @@
     [[models]]
     name = "austen"              # the id clients send as "model"
     version = "2"                # optional, default "1"; the pinned id is "austen@2"
-    path = "models/austen-v2"    # Hugging Face folder or jaxserve orbax checkpoint
+    path = "models/austen-v2"    # Hugging Face folder, Hub id or jaxserve orbax checkpoint
     weight = 10                  # share of "austen" traffic among its versions (default 100)
-    config = "tpu_configs/v5e-4.toml"   # optional preset for this engine
+    config = "v5e-4"             # optional preset for this engine: a shipped name or a file
     devices = [0, 1, 2, 3]       # optional: local devices this engine uses
     max_num_seqs = 32            # optional engine options, as in presets and `LLM(...)`
     fallback = "austen@1"        # optional: who answers when this one cannot
@@ -13,7 +13,8 @@
 Conventions follow TF Serving's model repository (a name, numbered versions, one served id
 per version) and KServe's canary split (a traffic weight per version). Relative `path` and
 `config` are resolved against the folder of the models file, so a file and the models beside
-it move together.
+it move together; a value with nothing beside the file that names a shipped preset (`config`)
+or a Hub id (`path`) is kept as it is.
 
 Everything that can be checked without loading a model is checked here, and the first
 problem is a `ValueError` naming the entry and the field: unknown fields and engine options,
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.engine.config import EngineConfig
-from jaxserve.presets import read_toml
+from jaxserve.loading.hub import HUB_ID
+from jaxserve.presets import read_toml, shipped_presets
 
 ENGINE_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # entry fields that are not engine options (`devices` is both: it goes to the engine)
@@ -164,7 +166,7 @@ def _entry(table: Any, where: str, base: Path, num_devices: int | None) -> Model
         raise ValueError(f"{where}.weight must be a number >= 0, got {weight!r}")
     config = table.get("config")
     if config is not None and not isinstance(config, str):
-        raise ValueError(f"{where}.config must be a preset file path")
+        raise ValueError(f"{where}.config must be a preset's name or file path")
     fallback = table.get("fallback")
     if fallback is not None and (not isinstance(fallback, str) or not fallback):
         raise ValueError(f"{where}.fallback must be a model name or pinned id")
@@ -182,7 +184,8 @@ def _entry(table: Any, where: str, base: Path, num_devices: int | None) -> Model
     if "devices" in options:
         _check_devices(options["devices"], f"{where}.devices", num_devices)
     return ModelEntry(name=name, version=version, path=_resolve(path, base),
-                      weight=weight, config=_resolve(config, base) if config else None,
+                      weight=weight,
+                      config=_resolve(config, base, shipped_presets()) if config else None,
                       dtype=dtype, fallback=fallback, max_waiting_requests=waiting,
                       engine_options=tuple(sorted(options.items())))
 
@@ -209,6 +212,13 @@ def _check_devices(devices: Any, where: str, num_devices: int | None) -> None:
         raise ValueError(f"{where}: devices {bad} are out of range ({count})")
 
 
-def _resolve(path: str, base: Path) -> str:
-    candidate = Path(path).expanduser()
-    return str(candidate if candidate.is_absolute() else base / candidate)
+def _resolve(value: str, base: Path, names=()) -> str:
+    """`value` against the models file's folder, unless nothing is there and it is one of
+    `names` (shipped presets) or a Hub id."""
+    candidate = Path(value).expanduser()
+    if candidate.is_absolute():
+        return str(candidate)
+    beside = base / candidate
+    if not beside.exists() and (value in names or HUB_ID.fullmatch(value.partition("@")[0])):
+        return value
+    return str(beside)

@@ -18,6 +18,7 @@ from jaxserve.aot.plan import compile_program
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
 from jaxserve.cli.main import main
+from sweeps import sweep
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -194,9 +195,9 @@ def tiny_int8_weight_bytes() -> int:
     return 2 * v * e + 4 * 2 * v + 2 * e + layers * per_layer
 
 
-@pytest.mark.parametrize("platform,accelerator,kv", [("tpu", "v5e", "fp8"),
-                                                     ("tpu", "v6e", "int8"),
-                                                     ("gpu", "h100", "int8")])
+@pytest.mark.parametrize("platform,accelerator,kv", sweep([("tpu", "v5e", "fp8"),
+                                                           ("tpu", "v6e", "int8"),
+                                                           ("gpu", "h100", "int8")], keep={1}))
 def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accelerator, kv):
     """int8 weights and an 8-bit KV cache compile for TPU and GPU; weights and pages as
     computed here from the shapes (int8 pages add a float32 scale per token and head,
@@ -216,7 +217,7 @@ def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accele
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
 
 
-@pytest.mark.parametrize("kv_heads,devices", [(2, 1), (1, 1), (4, 4)])
+@pytest.mark.parametrize("kv_heads,devices", sweep([(2, 1), (1, 1), (4, 4)], keep={1}))
 def test_a_plan_reads_the_page_pool_in_place_with_head_dim_64(tmp_path, kv_heads, devices):
     """head_dim 64 on TPU: two kv heads per device make a 128-lane page row, which XLA keeps
     row-major and the kernels read in place. One kv head's 64 values were laid out

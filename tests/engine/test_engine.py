@@ -25,9 +25,10 @@ def model(folder):
     return load_weights(folder, load_config(folder), progress=False)
 
 
-def make_engine(model, folder, **overrides):
-    """The tiny engine with two rungs per ladder, so steps pad to several buckets."""
-    config = EngineConfig(**{**SMALL_ENGINE, **LADDERS, **overrides})
+def make_engine(model, folder, ladders: bool = True, **overrides):
+    """The tiny engine with two rungs per ladder, so steps pad to several buckets (or, with
+    `ladders=False`, its one step program and one decode loop, which other modules share)."""
+    config = EngineConfig(**{**SMALL_ENGINE, **(LADDERS if ladders else {}), **overrides})
     return Engine(model, config, Tokenizer(folder), [EOS], progress=False)
 
 
@@ -80,8 +81,8 @@ def test_seeded_sampling_equals_dense_path_and_multi_step_equals_single_step(mod
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=s, max_tokens=20,
                              ignore_eos=True, output_kind=LOOPS) for s in (11, 12, 13)]
     outputs = []
-    for steps in (1, 4):
-        engine = make_engine(model, folder, num_decode_steps=steps)
+    for steps in (1, 4):  # one bucket each: what is compared is the decode loop's length
+        engine = make_engine(model, folder, ladders=False, num_decode_steps=steps)
         arrivals = {0: [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]}
         sequences, _ = run_to_completion(engine, arrivals)
         outputs.append([sequences[f"r{i}"].output_token_ids for i in range(3)])

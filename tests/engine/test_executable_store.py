@@ -46,7 +46,7 @@ def model_and_expected(tmp_path_factory):
 
 def start(folder, cache_dir):
     """Run START in a new process with `cache_dir` as jaxserve's cache; (result, stderr)."""
-    engine = {**SMALL_ENGINE, "token_buckets": [16, 64], "seq_buckets": [2, 8]}
+    engine = {**SMALL_ENGINE, "seq_buckets": [2, 8]}  # 4 programs: 2 steps, 2 decode loops
     env = {**os.environ, "JAXSERVE_CACHE_DIR": str(cache_dir), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user's process has
     done = subprocess.run([sys.executable, "-c", START, str(folder), json.dumps(engine),

@@ -6,7 +6,7 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.program_cache import memory_mappings, process_programs
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import LADDERS, SMALL_ENGINE, build_model
 
 PROMPT = [0, 5, 9, 22, 7]
 NEW_TOKENS = 8
@@ -49,7 +49,7 @@ def test_other_options_compile_their_own_programs(tmp_path):
     build_model("llama", tmp_path)
     small = LLM(str(tmp_path), dtype="float32", progress=False, **SMALL_ENGINE)
     other = LLM(str(tmp_path), dtype="float32", progress=False,
-                **{**SMALL_ENGINE, "max_num_seqs": 4, "seq_buckets": (2, 4)})
+                **{**SMALL_ENGINE, **LADDERS, "num_pages": 20})  # as test_engine's workload
     held = [llm.engine.stats().compiled_programs for llm in (small, other)]
-    assert held == [2, 4]  # (step + decode), (2 seq buckets x (step + decode))
+    assert held == [2, 6]  # (step + decode), (2 x 2 steps + 2 decode loops)
     assert process_programs() >= sum(held)

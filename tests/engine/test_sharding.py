@@ -131,10 +131,12 @@ def test_mesh_and_rule_errors_name_the_field():
     assert len(jax.devices()) == 8
 
 
+@pytest.mark.slow  # CI's slow step: two replicas of Pallas programs in interpret mode
 def test_stacked_layers_shard_and_match_the_layer_loop(tmp_path):
     """`scan_layers` (stacked weights, one page pool of all layers, the Pallas kernels) over
     tp=4 x dp=2 gives the one-device layer loop's tokens; stacked parameters keep a whole
-    "layers" axis and split heads as before, the pool splits on kv heads."""
+    "layers" axis and split heads as before, the pool splits on kv heads. (The main suite
+    keeps stacked layers against transformers, test_hf_parity, and tp against one device.)"""
     build_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                 initializer_range=0.5)
     _, tokens, logprobs = generate(tmp_path)

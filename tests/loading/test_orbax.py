@@ -75,8 +75,10 @@ def test_checkpoint_folder_is_self_contained(folders):
 
 def test_restore_on_another_mesh_gives_the_same_outputs(folders):
     hf, ckpt, _ = folders
-    _, want = run(hf, tensor_parallel_size=2)  # as if saved from tp=2
-    llm, got = run(ckpt, tensor_parallel_size=8, dtype="auto")  # kv heads repeated 4x
+    # The checkpoint was written from the host (no mesh); both restore onto tp=8, where kv
+    # heads are repeated 4x. (That tp=8 gives one device's tokens: tests/engine/test_sharding.)
+    _, want = run(hf, tensor_parallel_size=8)
+    llm, got = run(ckpt, tensor_parallel_size=8, dtype="auto")
     assert_same_outputs(got, want)
     k_proj = llm.model.layers[0].attn.k_proj[...]
     assert k_proj.dtype == jnp.float32 and k_proj.shape[1] == 8
@@ -101,7 +103,7 @@ def test_checkpoint_saved_quantized_restores_its_codes(folders, tmp_path):
     ckpt = convert(hf, tmp_path / "int8", dtype="float32", quantization="int8", progress=False)
     assert saved_quantization(ckpt) == WeightQuantization("int8")
     assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
-    _, want = run(hf, quantization="int8", tensor_parallel_size=2)
+    _, want = run(hf, quantization="int8", tensor_parallel_size=4)
     llm, got = run(ckpt, tensor_parallel_size=4)  # quantization comes from the checkpoint
     assert llm.config.quantization.method == "int8"
     k_proj = llm.model.layers[0].attn.k_proj[...]
@@ -146,7 +148,7 @@ def test_float_checkpoint_is_quantized_as_it_restores(folders):
     """A checkpoint saved in float32 restored with `quantization="fp8"`: each weight is
     quantized on the devices, sharded, with kv heads repeated after quantizing."""
     hf, ckpt, hf_model = folders
-    _, want = run(hf, quantization="fp8", tensor_parallel_size=2)
+    _, want = run(hf, quantization="fp8", tensor_parallel_size=8)
     llm, got = run(ckpt, quantization="fp8", tensor_parallel_size=8)
     k_proj = llm.model.layers[0].attn.k_proj[...]
     assert k_proj.dtype == jnp.float8_e4m3fn and k_proj.shape[1] == 8

@@ -55,6 +55,17 @@ def test_a_good_file(tmp_path):
     assert first.fallback == "austen@1" and entries[2].fallback == "austen"
 
 
+def test_presets_by_name_and_hub_ids_are_kept_as_given(tmp_path):
+    """A `config` naming a shipped preset and a `path` that is a Hub id stay as written when
+    nothing of that name is beside the file; a file beside it wins."""
+    text = ('[[models]]\nname = "a"\npath = "acme/tiny-llama@v1"\nconfig = "cpu"\n'
+            '[[models]]\nname = "b"\npath = "b"\nconfig = "my.toml"\n')
+    (tmp_path / "b").mkdir()
+    a, b = read_models_file(write(tmp_path, text), num_devices=1)
+    assert (a.path, a.config) == ("acme/tiny-llama@v1", "cpu")
+    assert (b.path, b.config) == (str(tmp_path / "b"), str(tmp_path / "my.toml"))
+
+
 BAD = {
     "duplicate pinned id": ("""
 [[models]]
