@@ -112,6 +112,10 @@ def compile_only_devices(target: Target) -> tuple[jax.Device, ...]:
     """`target.devices` compile-only devices of the target's kind (needs the `aot` extra)."""
     from jax.experimental import topologies
 
+    from jaxserve.errors import require_extra
+
+    require_extra(["libtpu"] if target.platform == "tpu" else ["jax_plugins.xla_cuda13"],
+                  "aot", f"compiling for {target.accelerator} without the hardware")
     try:
         if target.platform == "tpu":
             for name, value in TPU_COMPILE_ONLY_ENV.items():

@@ -2,8 +2,8 @@
 `transformers` on the same weights and prompts, in one run, the way users run them: default
 options, one request at a time and many at once, uniform and ragged prompts.
 
-Without `--model` it builds a random Llama of about 60M parameters (hidden 512, 8 layers,
-8 heads, 4 kv heads, vocab 32000) with `transformers` and saves it as a model folder. Four
+Without `--model` it builds a random Llama of about 60M parameters (`random_model`: hidden
+512, 8 layers, 8 heads, 4 kv heads, vocab 32000) and saves it as a model folder. Four
 workloads, each generating `--output-len` tokens per prompt (eos ignored):
 - `batch 1 uniform` / `batch 1 ragged`: `--sequential-prompts` prompts one after another,
   of `--prompt-len` tokens or of random lengths in [`--min-prompt-len`, `--max-prompt-len`];
@@ -17,7 +17,7 @@ refuses to start when that is not free: 0.5 unless given). All decode greedily, 
 at `--temperature` over the whole vocabulary.
 The roofline: bytes of weights read per decode step divided by a read bandwidth measured in
 the same run (a jitted reduction over a large array), beside jaxserve's batch-1 decode step.
-Needs the `bench` extra (torch, transformers).
+The transformers runs need the `bench` extra (torch, transformers); `--no-hf` skips them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxserve.bench.random_model import build_random_model
+from jaxserve.errors import require_extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,30 +80,12 @@ def parse_engine_options(pairs: list[str]) -> dict:
     return options
 
 
-def build_random_model(folder: Path) -> None:
-    """A ~60M-parameter random Llama saved as a Hugging Face folder, with a word-level
-    tokenizer (token i is the word "w<i>") so served text streams token by token."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = 32000
-    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408,
-                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-
-
 def model_folder(model: str | None, scratch: str) -> str:
     """`model`, or (None) the random ~60M Llama built in `scratch`."""
     if model is not None:
         return model
     folder = Path(scratch) / "random-llama-60m"
-    print("building a random ~60M-parameter Llama with transformers ...", flush=True)
+    print("building a random ~60M-parameter Llama ...", flush=True)
     build_random_model(folder)
     return str(folder)
 
@@ -235,6 +220,9 @@ def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
 def run_from_args(args: argparse.Namespace) -> int:
     import jax
 
+    if not args.no_hf:  # before anything runs: a missing baseline is one line, not a traceback
+        require_extra(["torch", "transformers"], "bench",
+                      "the transformers baseline (or leave it out: --no-hf)")
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
         folder = model_folder(args.model, scratch)

@@ -138,3 +138,37 @@ def test_version():
     out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "--version"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("jaxserve ")
+
+
+def test_a_missing_optional_package_is_one_line_naming_the_extra():
+    """`bench offline` without torch: exit 2 and one line naming the `bench` extra (or
+    `--no-hf`), before anything runs; the same helper guards the aot compilers."""
+    code = ("import sys\nsys.modules['torch'] = sys.modules['transformers'] = None  # absent\n"
+            "from jaxserve.cli.main import main\nraise SystemExit(main(['bench', 'offline']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "jaxserve: error: the transformers baseline (or leave it out: --no-hf) needs torch, "
+        "transformers: pip install 'jaxserve[bench]'"]
+
+
+def test_the_benchmarks_random_model_is_the_llama_transformers_builds():
+    """The numpy-built bench model: transformers loads it with no key missing or unexpected,
+    weights at transformers' initial scale (std 0.02, norms 1)."""
+    import tempfile
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.bench.random_model import build_random_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "m"
+        build_random_model(folder)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
+    assert 55e6 < sum(p.numel() for p in model.parameters()) < 65e6
+    q = model.model.layers[3].self_attn.q_proj.weight.detach().numpy()
+    assert q.shape == (512, 512) and abs(np.std(q) - 0.02) < 1e-3
+    assert (model.model.layers[0].input_layernorm.weight.detach().numpy() == 1).all()
