@@ -294,6 +294,15 @@ class Runner:
             self._program_keys[bucket] = key
         return self._compiled[bucket]
 
+    def in_store(self, kind: str, tokens: int, rows: int) -> bool:
+        """Whether the executable store holds this bucket's program (read, not compiled)."""
+        if self.executable_store is None:
+            return False
+        _, args = self.program_inputs(kind, tokens, rows)
+        key = program_store_key(self.program_description(kind, tokens, rows, args),
+                                list(self.mesh.devices.flat))
+        return self.executable_store.path(key).is_file()
+
     def cache_audits(self) -> dict[tuple[str, int, int], CacheAudit]:
         """`cache_audit.audit` of every program compiled so far, by bucket: whether each
         updates the KV cache in place and touches no whole page pool beyond its write."""
@@ -326,11 +335,13 @@ class Runner:
         `first_runs_seconds` say how long each part took."""
         started = time.perf_counter()
         buckets = self.bucket_programs()
+        stored = sum(self.in_store(*bucket) for bucket in buckets) if progress else 0
         # Loading and compiling release the GIL: a few at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
             loads = [pool.submit(self.program, *bucket) for bucket in buckets]
             for load in tqdm(concurrent.futures.as_completed(loads), total=len(loads),
-                             desc="Compiling buckets", unit="program", disable=not progress):
+                             desc=warm_up_label(len(buckets), stored), unit="program",
+                             disable=not progress):
                 load.result()
         self.warmed_up = True
         self.warm_up_seconds = time.perf_counter() - started
@@ -459,3 +470,12 @@ class Runner:
         """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`) and how many
         each row produced `[S]`."""
         return jax.device_get(self.launch_decode(inp, num_steps))
+
+
+def warm_up_label(programs: int, stored: int) -> str:
+    """What warm-up's progress bar says it does: compiling, reading from the store, or both."""
+    if stored == programs:
+        return f"Reading {programs} programs from the cache"
+    if stored == 0:
+        return f"Compiling {programs} programs"
+    return f"Compiling {programs - stored} programs, reading {stored} from the cache"

@@ -21,7 +21,7 @@ START = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.WARNING)
     from jaxserve import LLM, SamplingParams
-    llm = LLM(sys.argv[1], progress=False, **json.loads(sys.argv[2]))
+    llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))  # progress on stderr
     out = llm.generate({"prompt_token_ids": json.loads(sys.argv[3])},
                        SamplingParams(max_tokens=int(sys.argv[4]), temperature=0,
                                       ignore_eos=True))
@@ -60,14 +60,16 @@ def test_second_start_reads_every_program_and_unusable_entries_are_recompiled(
         model_and_expected, tmp_path):
     folder, expected = model_and_expected
     cache = tmp_path / "cache"
-    first, _ = start(folder, cache)
+    first, stderr = start(folder, cache)
     assert first["from_store"] == 0 and first["programs"] > 0
+    assert f"Compiling {first['programs']} programs" in stderr
     assert first["tokens"] == expected
     entries = sorted((cache / "executables").glob("*.jxe"))
     assert len(entries) == first["programs"]
 
-    second, _ = start(folder, cache)
+    second, stderr = start(folder, cache)
     assert second["from_store"] == second["programs"] == first["programs"]
+    assert f"Reading {first['programs']} programs from the cache" in stderr
     assert second["tokens"] == expected
     assert set(second["startup"]) == {"load", "compile", "warmup"}
     print(f"\nstart-up phases, first start: {first['startup']}, second: {second['startup']}")
