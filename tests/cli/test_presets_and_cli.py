@@ -151,6 +151,16 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra():
     assert out.stderr.strip().splitlines() == [
         "jaxserve: error: the transformers baseline (or leave it out: --no-hf) needs torch, "
         "transformers: pip install 'jaxserve[bench]'"]
+    for module, preset, chip in (("libtpu", "v6e-8", "v6e"),
+                                 ("jax_plugins.xla_cuda13", "h200-1", "h200")):
+        code = (f"import sys\nsys.modules[{module!r}] = None\nfrom jaxserve.cli.main import "
+                f"main\nraise SystemExit(main(['plan', '--config', {preset!r}]))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines() == [
+            f"jaxserve: error: compiling for {chip} without the hardware needs {module}: "
+            "pip install 'jaxserve[aot]'"]
 
 
 def test_the_benchmarks_random_model_is_the_llama_transformers_builds():
