@@ -38,6 +38,16 @@ def test_plain_core_starts_no_jax(module):
     assert loaded_packages(f"import {module}") & set(HEAVY) == set()
 
 
+def test_the_engine_loads_llguidance_only_for_structured_output():
+    """A deployment image without llguidance serves unconstrained requests: the engine and
+    the Python API import it on the first grammar, not before."""
+    loaded = loaded_packages("import jaxserve.engine.engine, jaxserve.llm, "
+                             "jaxserve.sampling_params")
+    assert "llguidance" not in loaded
+    assert "llguidance" in loaded_packages("from jaxserve.structured_output import "
+                                           "GrammarCompiler")
+
+
 def test_cli_help_starts_no_jax():
     code = ("import contextlib, io\nfrom jaxserve.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"

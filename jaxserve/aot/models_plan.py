@@ -42,7 +42,8 @@ from jaxserve.aot.targets import GIB, Target
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.llm import engine_config_for
 from jaxserve.model.config import load_config
-from jaxserve.presets import Preset, engine_settings, load_preset, reference_model_dir
+from jaxserve.loading.hub import resolve_model
+from jaxserve.presets import REFERENCE_MODELS, Preset, engine_settings, load_preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,15 +100,20 @@ def resolve_entries(path: str | Path) -> tuple[Target, list[PlannedEntry]]:
 
 
 def _model_dir(entry: ModelEntry, base: Path) -> Path:
-    """The folder whose config.json describes the entry's model: its path, or a shipped
+    """The folder whose config.json describes the entry's model: its path, a shipped
     reference shape when the path is a bare name (resolved to `base/<name>`) that no folder
-    holds."""
+    holds, or a Hub id's config.json from the Hugging Face cache."""
     folder = Path(entry.path)
     if (folder / "config.json").is_file():
         return folder
-    shipped = reference_model_dir(folder.name)
+    shipped = REFERENCE_MODELS / folder.name
     if folder.parent == base and (shipped / "config.json").is_file():
         return shipped
+    if not folder.is_absolute():  # kept as written by the models file: a Hub id
+        try:
+            return resolve_model(entry.path, config_only=True)
+        except ValueError as err:
+            raise ValueError(f"path: {err}") from None
     raise ValueError(f"path: {str(folder)!r} has no config.json (a plan reads only the "
                      "model's config.json; a shipped reference shape may be named instead)")
 

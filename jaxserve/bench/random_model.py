@@ -50,16 +50,18 @@ def random_llama_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def build_random_model(folder: Path, seed: int = 0) -> None:
-    """Write the random ~60M Llama and its word-level tokenizer into `folder`."""
+def build_random_model(folder: Path, seed: int = 0, config: dict | None = None) -> None:
+    """Write the random ~60M Llama (or one of `config`, a Llama config.json's fields) and its
+    word-level tokenizer into `folder`."""
+    config = CONFIG if config is None else config
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    save_file(random_llama_weights(CONFIG, seed), str(folder / "model.safetensors"),
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(random_llama_weights(config, seed), str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    vocab = CONFIG["vocab_size"]
+    vocab = config["vocab_size"]
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(folder / "tokenizer.json"))

@@ -7,6 +7,7 @@
     jaxserve bench serve --url URL --max-concurrency 1 4 16 --slo-ttft 2000 --slo-tpot 200 \
         --cost-per-hour 2 --plot sweep.png
     jaxserve bench startup [--model PATH] [--starts 2] [--no-baseline]
+    jaxserve bench device [--quick] [--out device.json] [--only device,kernels,serving,startup]
     jaxserve bench offline [--model PATH] [--baseline vllm --vllm-python PYTHON]
     jaxserve bench pool [--model PATH] [--num-pages 256 2048 default]
     jaxserve bench structured [--model PATH]
@@ -362,11 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (load_bench, models_bench, offline_bench, pool_bench,
-                                quality_bench, serve_bench, startup_bench, structured_bench)
+    from jaxserve.bench import (device_bench, load_bench, models_bench, offline_bench,
+                                pool_bench, quality_bench, serve_bench, startup_bench,
+                                structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
+        "device": (device_bench, "the accelerator JAX sees: bandwidth and matmul probes, "
+                                 "kernels, serving an 8B model, start-up; JSON, table, plot"),
         "offline": (offline_bench, "generation throughput at batch 1 and N beside "
                                    "transformers (and vLLM), decode roofline"),
         "pool": (pool_bench, "a single request's decode step at several KV pool sizes "

@@ -64,7 +64,6 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxserve.engine.sequence import GrammarState, Sequence, Status
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import shard_model, stack_layers
-from jaxserve.structured_output import GrammarCompiler
 
 
 log = logging.getLogger("jaxserve.engine")
@@ -252,6 +251,8 @@ class Engine:
                     raise InvalidRequestError(
                         "structured_outputs", "structured output needs a tokenizer; this "
                         "model has none")
+                from jaxserve.structured_output.compiler import GrammarCompiler
+
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  self.eos_token_ids)
             return self._grammars

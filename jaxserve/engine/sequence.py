@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_output import fill_bitmasks
 
 PENDING = -1  # an output token sampled by a step still on device (`Scheduler.advance`)
 # Finish reason of a request whose grammar rejected its token or allows no token after it.
@@ -90,6 +89,8 @@ def refresh_masks(states: list[GrammarState]) -> list[bool]:
     """Recompute the masks of grammars that booked a token, all at once (llguidance fills
     the rows on its thread pool, without the GIL); False where a grammar allows no token."""
     rows = np.empty((len(states), states[0].mask.shape[0]), np.int32)  # [N, W]
+    from jaxserve.structured_output.compiler import fill_bitmasks  # llguidance, on first use
+
     allowed = fill_bitmasks([state.matcher for state in states], rows)
     for state, row in zip(states, rows):
         state.mask[:] = row

@@ -32,13 +32,18 @@ schema takes 0.5-1.5 ms; a cache hit 7-13 us, mostly `cache_key()` (the deep cop
 Mask time grows with the vocabulary; a 128k one was not measured here.
 """
 
-from jaxserve.structured_output.compiler import (
-    CacheInfo,
-    GrammarCompiler,
-    GrammarMatcher,
-    fill_bitmasks,
-)
+import importlib
+
 from jaxserve.structured_output.params import StructuredOutputsParams
 
-__all__ = ["CacheInfo", "GrammarCompiler", "GrammarMatcher", "StructuredOutputsParams",
-           "fill_bitmasks"]
+# llguidance loads only when a grammar is first compiled: the engine, and a deployment image
+# without llguidance, serve unconstrained requests without it.
+_COMPILER_NAMES = ("CacheInfo", "GrammarCompiler", "GrammarMatcher", "fill_bitmasks")
+
+__all__ = ["StructuredOutputsParams", *_COMPILER_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _COMPILER_NAMES:
+        return getattr(importlib.import_module("jaxserve.structured_output.compiler"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

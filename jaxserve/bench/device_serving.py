@@ -1,0 +1,195 @@
+"""The serving part of `jaxserve bench device`: an engine built as `serve` builds it (the
+platform's preset), on a Llama-shaped model whose random weights are generated on the devices
+(no download, no weight files), timed offline at several batch sizes.
+
+For each batch size, that many requests of `prompt_len` random tokens, each generating
+`new_tokens` (eos ignored, greedy), are submitted at once and run to completion:
+- `output_tok_s`: output tokens of the batch / its wall time;
+- `ttft_ms`, `tpot_ms`: medians over the batch's requests (first token after submission;
+  time per output token after the first);
+- `mbu` (model bandwidth utilisation): the bytes one decode step reads — the weights on a
+  device plus the K/V of every row at its average length during decode — divided by the
+  median time per output token and by the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# The model shapes: Llama-3.1-8B (the shipped reference shape) and, for --quick, a tiny one.
+MODEL_SHAPE = "llama-3.1-8b"
+QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+                "eos_token_id": 2, "torch_dtype": "bfloat16"}
+# The preset `serve` would take on each chip, by a substring of jax's device_kind.
+PRESET_BY_DEVICE = {"H200": "h200-1", "H100": "h100-1", "A100": "a100-80g-1",
+                    "TPU v6": "v6e-1", "TPU v5 lite": "v5e-1", "TPU v5e": "v5e-1",
+                    "TPU v5": "v5p-8", "cpu": "cpu"}
+# The variants measured: the preset as it is, then int8 weights with an fp8 KV cache.
+VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+
+
+FULL = Workload(batches=(1, 16, 64, 256), prompt_len=1024, new_tokens=128)
+QUICK = Workload(batches=(1, 4), prompt_len=24, new_tokens=8)
+
+
+def preset_for(device: jax.Device) -> str | None:
+    """The shipped preset for this chip (None: EngineConfig's defaults)."""
+    kind = device.device_kind if device.platform != "cpu" else "cpu"
+    return next((name for key, name in PRESET_BY_DEVICE.items() if key in kind), None)
+
+
+def model_config(quick: bool):
+    """The ModelConfig of the measured shape (read as `serve` reads a folder's config)."""
+    from jaxserve.loading.checkpoint import model_config as read_config
+    from jaxserve.presets import reference_model_dir
+
+    if not quick:
+        return read_config(reference_model_dir(MODEL_SHAPE))
+    folder = Path(tempfile.mkdtemp(prefix="jaxserve-device-model-"))
+    (folder / "config.json").write_text(json.dumps(QUICK_CONFIG))
+    return read_config(folder)
+
+
+def _random_leaf(name: str, abstract: jax.ShapeDtypeStruct, key) -> jax.Array:
+    """One parameter, generated on its devices with its sharding: projections ~ N(0, 0.02)
+    as transformers initialises them, norms 1, int8 codes uniform with scales that give the
+    same spread."""
+    dtype = abstract.dtype
+
+    def make():
+        if jnp.issubdtype(dtype, jnp.integer):
+            return jax.random.randint(key, abstract.shape, -127, 128, jnp.int32).astype(dtype)
+        if "norm" in name:
+            return jnp.ones(abstract.shape, dtype)
+        if name.endswith("scale"):
+            return jnp.full(abstract.shape, 0.02 * 1.7 / 127, dtype)
+        return (0.02 * jax.random.normal(key, abstract.shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(make, out_shardings=abstract.sharding)()
+
+
+def random_model(config, dtype, mesh, seed: int = 0):
+    """A LlamaModel (layer-list layout, as loading gives it) of `config` on `mesh`, every
+    parameter random and placed where `serve` would place it."""
+    from jaxserve.loading.weights import abstract_sharded_model
+
+    graphdef, state = nnx.split(abstract_sharded_model(config, dtype, mesh))
+    variables = dict(nnx.to_flat_state(state))
+    for index, (path, var) in enumerate(variables.items()):
+        name = ".".join(str(part) for part in path)
+        var.set_value(_random_leaf(name, var.get_value(), jax.random.key(seed + index)))
+    return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
+def build_engine(config, options: dict[str, Any], progress: bool):
+    """The engine `serve` builds from the platform's preset plus `options`, on a random
+    model of `config`; (engine, engine options used, weight bytes per device)."""
+    from jaxserve.engine.engine import Engine, engine_mesh
+    from jaxserve.llm import engine_config_for
+    from jaxserve.model.config import resolve_dtype, with_quantization
+    from jaxserve.presets import engine_settings
+
+    device = jax.devices()[0]
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
+    preset_dtype, engine_options = engine_settings(preset_for(device), platform, options)
+    engine_config = engine_config_for(config, engine_options)
+    dtype = resolve_dtype(preset_dtype or "bfloat16", config.checkpoint_dtype)
+    config = with_quantization(config, engine_config.quantization,
+                               engine_config.quantize_activations, platform, device.device_kind)
+    model = random_model(config, dtype, engine_mesh(engine_config))
+    weight_bytes = sum(leaf.addressable_shards[0].data.nbytes
+                       for leaf in jax.tree.leaves(nnx.state(model)))
+    engine = Engine(model, engine_config, None, [], progress=progress)
+    return engine, engine_options, weight_bytes
+
+
+def kv_bytes_per_token(engine) -> int:
+    """K and V bytes one token holds across the layers, per device."""
+    from pallas_kernels.kv_quant import page_dtype
+
+    cfg, config = engine.model_config, engine.config  # kv heads as stored: a multiple of tp
+    dtype = page_dtype(config.kv_cache_dtype, engine.model.compute_dtype)
+    heads = cfg.num_kv_heads // config.tensor_parallel_size
+    return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def run_batch(engine, batch: int, work: Workload, rng) -> dict[str, float]:
+    """`batch` requests at once, to completion: throughput and median latencies."""
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=work.new_tokens, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    started = time.monotonic()
+    seqs = [engine.add_request(f"b{batch}-{i}", rng.integers(3, vocab, work.prompt_len).tolist(),
+                               params) for i in range(batch)]
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.monotonic() - started
+    ttft = [s.times.first_token - s.times.arrival for s in seqs]
+    tpot = [(s.times.last_token - s.times.first_token) / max(1, len(s.output_token_ids) - 1)
+            for s in seqs]
+    return {"output_tok_s": batch * work.new_tokens / wall,
+            "ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * statistics.median(tpot),
+            "wall_s": wall}
+
+
+def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
+                    deadline: float, progress: bool) -> None:
+    """Every variant at every batch size; each row handed to `add` as it is measured. Rows
+    past `deadline` (time.perf_counter) are recorded as skipped."""
+    work = QUICK if quick else FULL
+    config = model_config(quick)
+    rng = np.random.default_rng(0)
+    for variant, overrides in VARIANTS.items():
+        if time.perf_counter() > deadline:
+            add({"variant": variant, "skipped": "time budget spent"})
+            continue
+        options = {"max_num_seqs": max(work.batches), **overrides}
+        try:
+            started = time.perf_counter()
+            engine, used, weight_bytes = build_engine(config, options, progress)
+            build_s = time.perf_counter() - started
+            per_token = kv_bytes_per_token(engine)
+            run_batch(engine, 1, dataclasses.replace(work, new_tokens=2), rng)  # first runs
+        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+            add({"variant": variant, "error": f"{type(err).__name__}: {str(err)[:400]}"})
+            continue
+        for batch in work.batches:
+            row = {"variant": variant, "batch": batch, "prompt_len": work.prompt_len,
+                   "new_tokens": work.new_tokens, "weight_bytes": weight_bytes,
+                   "build_s": round(build_s, 1),
+                   "options": {k: used[k] for k in sorted(used) if k in options}}
+            if time.perf_counter() > deadline:
+                add({**row, "skipped": "time budget spent"})
+                continue
+            try:
+                numbers = run_batch(engine, batch, work, rng)
+            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+                add({**row, "error": f"{type(err).__name__}: {str(err)[:400]}"})
+                continue
+            step_bytes = weight_bytes + batch * (work.prompt_len + work.new_tokens / 2) * per_token
+            numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
+            add({**row, **{k: round(v, 4 if k == "mbu" else 2) for k, v in numbers.items()}})
+        del engine
