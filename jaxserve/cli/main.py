@@ -32,6 +32,7 @@ import dataclasses
 import faulthandler
 import io
 import logging
+import os
 import sys
 
 from jaxserve import __version__
@@ -418,4 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"jaxserve: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`jaxserve plan --list | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
