@@ -41,6 +41,9 @@ ARCHITECTURES = {
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                              low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=32))),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=32, beta_fast=16.0))),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ import jax.numpy as jnp
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings; `rope_type` "llama3" uses the four scaling fields."""
+    """Rotary embedding settings. "llama3" uses `factor`, the two frequency factors and
+    `original_max_position_embeddings`; "yarn" uses `factor`, the original length,
+    `beta_fast`/`beta_slow`, `truncate` and `attention_factor` (cos and sin are scaled by it)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -31,6 +34,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 QUANTIZATION_METHODS = ("int8", "fp8")  # weight dtypes a model can be stored in
@@ -124,8 +131,10 @@ def _read_rope(hf: dict[str, Any]) -> RopeConfig:
             f"unsupported rope_scaling rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    if "factor" not in params:
+    if params.get("factor") is None:
         raise ValueError(f"rope_scaling of type {rope_type!r} needs a 'factor'")
+    if rope_type == "yarn":
+        return _read_yarn(params, theta, int(hf.get("max_position_embeddings", 2048)))
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     missing = [k for k in ("low_freq_factor", "high_freq_factor",
@@ -137,6 +146,30 @@ def _read_rope(hf: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` (0.1 · mscale · ln(factor) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _read_yarn(params: dict[str, Any], theta: float, max_positions: int) -> RopeConfig:
+    """YaRN as transformers reads it: the original length defaults to the model's,
+    `attention_factor` to the mscale of `factor` (or the ratio of `mscale`'s to
+    `mscale_all_dim`'s when both are given); `truncate` defaults to true."""
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    factor = float(params["factor"])
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                     if mscale and mscale_all_dim else _yarn_mscale(factor))
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor,
+                      original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32),
+                      beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)),
+                      attention_factor=float(attention))
 
 
 def _eos_ids(value) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
                                          project, quantize, quantizes, scale_shape)
-from jaxserve.model.rope import apply_rope, inverse_frequencies
+from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
 
 # attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
 #   -> (out [..., Hq, D], layer_cache)
@@ -109,8 +109,9 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(self.rope, self.head_dim)  # [D/2]
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        scale = rope_scale(self.rope)
+        q = apply_rope(q, positions, inv_freq, scale)
+        k = apply_rope(k, positions, inv_freq, scale)
         out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
         # One [Hq * D, E] matmul: as an einsum over (h, d), XLA CPU may transpose the weight
         # (a copy of all of o_proj) in every step to suit the attention output's layout.

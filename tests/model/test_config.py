@@ -43,6 +43,31 @@ def test_llama3_frequencies_hand_computed():
     assert np.allclose(scaled[middle], (1 - smooth) * plain[middle] / 8 + smooth * plain[middle])
 
 
+@pytest.mark.parametrize("yarn", [
+    dict(factor=4.0, original_max_position_embeddings=32),
+    dict(factor=8.0, original_max_position_embeddings=64, beta_fast=16.0, beta_slow=2.0,
+         truncate=False),
+    dict(factor=16.0, original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.5),
+    dict(factor=2.0, original_max_position_embeddings=32, attention_factor=1.5),
+    dict(factor=4.0),  # the original length: max_position_embeddings
+], ids=["plain", "betas-untruncated", "mscales", "attention-factor", "no-original"])
+def test_yarn_frequencies_and_scale_equal_transformers(yarn):
+    """inv_freq and the cos/sin scale equal transformers' `_compute_yarn_parameters` on the
+    same config.json (gpt-oss, Qwen and DeepSeek-style fields)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.model.rope import rope_scale
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    hf = {**BASE, "head_dim": 32, "max_position_embeddings": 256, "rope_parameters": params}
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**hf), "cpu")
+    rope = config_from_hf(hf).rope
+    np.testing.assert_allclose(inverse_frequencies(rope, 32), want_freq.numpy(), rtol=1e-6)
+    assert rope_scale(rope) == pytest.approx(want_scale, rel=1e-9)
+    assert rope_scale(rope) != 1.0 or "attention_factor" in yarn
+
+
 def test_architecture_flags():
     assert config_from_hf({**BASE, "model_type": "qwen2"}).qkv_bias
     assert not config_from_hf({**BASE, "model_type": "qwen2"}).o_bias
@@ -58,7 +83,8 @@ def test_architecture_flags():
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "'yarn' needs a 'factor'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 0}, "vocab_size"),
