@@ -178,6 +178,7 @@ def test_unknown_kv_cache_dtype_names_the_field(folder):
         LLM(str(folder), kv_cache_dtype="int4", progress=False)
 
 
+@pytest.mark.slow  # preemption with a float cache: test_engine's workload, main suite
 def test_preemption_rewrites_pages_and_scales(folder):
     """A workload that preempts (20 pages for 8 sequences of up to 86 tokens) gives the tokens
     of the same workload with room for all, on an int8 cache: recomputed pages get their

@@ -142,6 +142,7 @@ def resident_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow  # soak rounds run in CI's slow step; faults and fuzzing stay in the main suite
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for RSS")
 def test_two_rounds_of_mixed_load_leave_nothing_behind(tmp_path):
     build_model("llama", tmp_path / "model")
