@@ -15,11 +15,8 @@ For each batch size, that many requests of `prompt_len` random tokens, each gene
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -63,13 +60,11 @@ def preset_for(device: jax.Device) -> str | None:
 def model_config(quick: bool):
     """The ModelConfig of the measured shape (read as `serve` reads a folder's config)."""
     from jaxserve.loading.checkpoint import model_config as read_config
+    from jaxserve.model.config import config_from_hf
     from jaxserve.presets import reference_model_dir
 
-    if not quick:
-        return read_config(reference_model_dir(MODEL_SHAPE))
-    folder = Path(tempfile.mkdtemp(prefix="jaxserve-device-model-"))
-    (folder / "config.json").write_text(json.dumps(QUICK_CONFIG))
-    return read_config(folder)
+    return config_from_hf(QUICK_CONFIG) if quick else read_config(
+        reference_model_dir(MODEL_SHAPE))
 
 
 def _random_leaf(name: str, abstract: jax.ShapeDtypeStruct, key) -> jax.Array:
