@@ -31,14 +31,27 @@ import argparse
 import dataclasses
 import faulthandler
 import io
+import json
 import logging
 import os
 import sys
 
 from jaxserve import __version__
 
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
+
+
 # an engine option's kind → how its flag parses a value
-FLAG_TYPES = {"int": int, "float": float, "str": str, "ints": int}
+FLAG_TYPES = {"int": int, "float": float, "str": str, "ints": int, "table": _json_object}
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -237,8 +250,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import json
-
     from jaxserve.aot.plan import build_plan, plan_target
     from jaxserve.aot.report import format_plan
     from jaxserve.presets import load_preset, reference_model_dir

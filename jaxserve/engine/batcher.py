@@ -83,10 +83,12 @@ class StepInput:
     num_seqs: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [S] int32, the flat index of each sequence's last token
     sampling: SamplingArrays  # [S] rows
-    max_new: np.ndarray  # [S] int32, tokens each row may still generate (decode loop)
+    # [S] int32, tokens each row may still generate in a decode loop: its limit, or fewer
+    # where its reserved pages end (a speculative step may have found pages for one round)
+    max_new: np.ndarray
     stop_ids: np.ndarray  # [S, MAX_DEVICE_STOP_IDS] int32, -1 padded (decode loop)
-    # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only (without any, a
-    # read-only all -1 view, which the runner does not copy to the device)
+    # [S, max_model_len] int32 tokens so far, -1 padded; penalty rows only, or every row of a
+    # speculative step (otherwise a read-only all -1 view, which the runner does not copy)
     history: np.ndarray
     prompt_lens: np.ndarray  # [S] int32, how many of `history` are prompt tokens
     # [T] int32: for a token of a request that wants prompt log-probabilities, the prompt
@@ -137,7 +139,8 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
     cu_q_lens = np.zeros(rows + 1, np.int32)
     max_new = np.zeros(rows, np.int32)
     stop_ids = np.full((rows, MAX_DEVICE_STOP_IDS), -1, np.int32)
-    if any(c.seq.params.has_penalties for c in out.chunks):
+    every_history = out.speculative
+    if every_history or any(c.seq.params.has_penalties for c in out.chunks):
         history = np.full((rows, config.max_model_len), -1, np.int32)
     else:
         history = np.broadcast_to(np.int32(-1), (rows, config.max_model_len))
@@ -170,10 +173,10 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
             allowed[i] = seq.grammar.mask
         start += count
         cu_q_lens[i + 1] = start
-        max_new[i] = seq.remaining_new_tokens
+        max_new[i] = min(seq.remaining_new_tokens, len(pages) * page_size - first)
         ids = sorted(seq.stop_token_ids)[:MAX_DEVICE_STOP_IDS]
         stop_ids[i, :len(ids)] = ids
-        if seq.params.has_penalties:
+        if every_history or seq.params.has_penalties:
             history[i, :seq.num_tokens] = seq.token_ids
             prompt_lens[i] = len(seq.prompt_token_ids)
     cu_q_lens[num_seqs + 1:] = start

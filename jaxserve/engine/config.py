@@ -14,10 +14,11 @@ from typing import Any
 
 from pallas_kernels.limits import (KV_CACHE_DTYPE_NAMES, SUPPORTED_PAGE_SIZES,
                                    check_kv_cache_dtype)
+from jaxserve.speculative.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
-SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile")
+SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative")
 
 
 def _option(default, section: str, help: str, choices: tuple | None = None,
@@ -95,9 +96,17 @@ class EngineConfig:
                                   choices=KV_CACHE_DTYPE_NAMES)
     calculate_kv_scales: bool = _option(False, "kv_cache", "with fp8 pages: calibrate "
                                         "scales from the first step's tokens, not 1")
+    speculative_config: SpeculativeConfig | dict | None = _option(
+        None, "speculative", "speculative decoding, vLLM's keys: method (ngram), "
+        "num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size; a JSON object "
+        "on the command line, a preset's [speculative] table")
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                  SpeculativeConfig):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
             raise ValueError("calculate_kv_scales calibrates an fp8 KV cache's scales; it "
                              f"needs kv_cache_dtype='fp8', got {self.kv_cache_dtype!r}")
@@ -164,6 +173,11 @@ class EngineConfig:
             raise ValueError(f"{name} must end at its limit {top}, got {values}")
         return values
 
+    def speculates(self, rows: int) -> bool:
+        """Whether a decode step of `rows` running requests runs the speculative program."""
+        spec = self.speculative_config
+        return spec is not None and spec.applies_to(rows)
+
     def resolved_cache_dir(self) -> Path:
         """The persistent compilation cache folder: the option, $JAXSERVE_CACHE_DIR, or
         a per-user cache folder."""
@@ -183,7 +197,8 @@ def _positive_int(name: str, value) -> None:
 @dataclasses.dataclass(frozen=True)
 class OptionSpec:
     """One engine option as the command line, the presets and the README see it; `kind` is
-    "int", "float", "bool", "str" or "ints" (a tuple of ints)."""
+    "int", "float", "bool", "str", "ints" (a tuple of ints) or "table" (a dict of keys: a
+    JSON object as a flag, a table of its own in a preset)."""
 
     name: str
     kind: str
@@ -205,7 +220,8 @@ def option_specs() -> tuple[OptionSpec, ...]:
         kinds = [k.strip() for k in str(field.type).split("|")]
         kind = next(k for k in kinds if k != "None")
         kind = "ints" if kind.startswith("tuple[int") else kind
-        if kind not in ("int", "float", "bool", "str", "ints"):
+        kind = "table" if "dict" in kinds else kind
+        if kind not in ("int", "float", "bool", "str", "ints", "table"):
             raise TypeError(f"EngineConfig.{field.name}: no flag or preset type for {kind}")
         meta = field.metadata
         specs.append(OptionSpec(field.name, kind, field.default, meta["section"], meta["help"],

@@ -394,7 +394,7 @@ class Engine:
         inp = build_step_input(plan, self.config, replica.runner.mask_words)
         started = time.monotonic()
         pending = self._launch(replica.runner, plan, inp)
-        single = not plan.decode_only or plan.num_decode_steps == 1
+        single = not plan.decode_only or (plan.num_decode_steps == 1 and not plan.speculative)
         placeholders = replica.scheduler.advance(plan) if single else None
         replica.scheduling = None
         return InFlight(plan, inp, pending, started, placeholders)
@@ -412,7 +412,9 @@ class Engine:
             pending = _without_logprobs(pending)
         result, prompt = jax.device_get((pending, prompt))
         if plan.decode_only:
-            result, produced = result  # [S, K, ...], [S]
+            result, produced, *drafts = result  # [S, K, ...], [S] (, DraftCounts)
+            if drafts:
+                self._record_drafts(drafts[0], rows)
         else:
             result = jax.tree.map(lambda a: a[:, None], result)  # [S, 1, ...]
         if prompt is not None:
@@ -432,6 +434,12 @@ class Engine:
             padded_tokens=int(flight.inp.token_ids.shape[0]),
             num_decode_steps=plan.num_decode_steps, kv_cache_usage=replica.allocator.usage,
             duration=time.monotonic() - flight.started))
+
+    def _record_drafts(self, drafts, rows: int) -> None:
+        """A speculative step's `DraftCounts` (numpy, per row) into the metrics."""
+        self.metrics.record_drafts(int(drafts.num_drafts[:rows].sum()),
+                                   int(drafts.num_draft_tokens[:rows].sum()),
+                                   drafts.accepted_per_pos[:rows].sum(axis=0).tolist())
 
     def _book_prompt_logprobs(self, plan: SchedulerOutput, inp: StepInput,
                               prompt: TargetLogprobs) -> None:

@@ -92,6 +92,17 @@ class EngineMetrics:
             self.observations["step_num_seqs"].append(record.num_seqs)
             self.observations["step_num_tokens"].append(record.num_tokens)
 
+    def record_drafts(self, num_drafts: int, num_draft_tokens: int,
+                      accepted_per_pos: list[int]) -> None:
+        """Fold in one speculative step's proposals: vLLM's `spec_decode` counters (drafts,
+        draft tokens, accepted tokens, accepted tokens at each draft position)."""
+        with self._lock:
+            self.counters["spec_decode_num_drafts"] += num_drafts
+            self.counters["spec_decode_num_draft_tokens"] += num_draft_tokens
+            self.counters["spec_decode_num_accepted_tokens"] += sum(accepted_per_pos)
+            for position, accepted in enumerate(accepted_per_pos):
+                self.counters[f"spec_decode_num_accepted_tokens_per_pos:{position}"] += accepted
+
     def add_listener(self, listener: Callable[[RequestStats], None]) -> None:
         """Call `listener` (on the engine thread) with the stats of every finished request."""
         self._listeners.append(listener)

@@ -11,6 +11,10 @@ previous step's sampled tokens):
   `num_decode_steps` decode steps in a `lax.while_loop`, feeding each sampled token back,
   with stop tokens and per-row limits checked on device, so several tokens can come back per
   host round-trip. One token per row, never padded to a token bucket.
+- "spec" (S), with `speculative_config`: the decode loop's speculative form, each step a
+  round that proposes drafts, verifies them in one forward and keeps the accepted tokens
+  (`jaxserve.speculative.rounds`); decode steps of more rows than `disable_by_batch_size`
+  run "decode".
 
 Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
 the runner hands it each step's (and each decode-loop step's) `PagedBatch` and passes what it
@@ -66,6 +70,7 @@ from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.model import LlamaModel
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.speculative.rounds import speculative_rounds
 
 # The batcher builds step inputs in numpy; the programs take them as pytrees.
 jax.tree_util.register_dataclass(StepInput)
@@ -109,7 +114,8 @@ class Runner:
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
         rep = self.replicated
         self._programs = {"step": (self._step, (rep, rep, caches_sh, rep)),
-                          "decode": (self._decode, (rep, rep, caches_sh, rep))}
+                          "decode": (self._decode, (rep, rep, caches_sh, rep)),
+                          "spec": (self._spec, (rep, rep, rep, caches_sh, rep))}
         # [max rows] each row's newest sampled token, on device: the next step's PENDING
         # tokens are read from here (`StepInput.token_source`) before the host has them.
         self.max_rows = max(config.seq_buckets)
@@ -209,6 +215,16 @@ class Runner:
         _, out, count, _, current, _, _, caches = jax.lax.while_loop(cond, body, carry)
         return out, count, caches, self._padded(current)  # SampleResult of [S, K], counts [S]
 
+    def _spec(self, layout: Layout, state_leaves, caches, packed, history, allowed,
+              last_tokens):
+        """Speculative rounds (`speculative_rounds`): the kept tokens, how many per row, what
+        was proposed and accepted, as the decode loop returns them plus `DraftCounts`."""
+        model, inp, num_rounds = self._unpacked(layout, state_leaves, packed, history, allowed)
+        out, count, drafts, caches, current = speculative_rounds(
+            model, self.attention, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
+            self.config, self.model_config.vocab_size)
+        return out, count, drafts, caches, self._padded(current)
+
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
         sh = self.replicated
@@ -261,7 +277,9 @@ class Runner:
         cfg = self.config
         return {"program": (kind, tokens, rows), "model": repr(self.model_config),
                 "options": {"max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-                            "num_decode_steps": cfg.num_decode_steps},
+                            "num_decode_steps": cfg.num_decode_steps,
+                            "speculative": (cfg.speculative_config.as_dict()
+                                            if kind == "spec" else None)},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
                 "arguments": [(a.shape, str(a.dtype), str(a.sharding))
                               for a in jax.tree.leaves(args)]}
@@ -326,7 +344,12 @@ class Runner:
         """Every program the bucket ladders can ask for."""
         cfg = self.config
         keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
-        keys += [("decode", s, s) for s in cfg.seq_buckets]
+        smallest = (1,) + tuple(s + 1 for s in cfg.seq_buckets[:-1])  # each bucket's least rows
+        for least, s in zip(smallest, cfg.seq_buckets):
+            if cfg.speculates(least):
+                keys.append(("spec", s, s))
+            if not cfg.speculates(s):
+                keys.append(("decode", s, s))
         return keys
 
     def warm_up(self, progress: bool = True) -> None:
@@ -375,8 +398,10 @@ class Runner:
     def _run_padding(self, kind: str, tokens: int, rows: int) -> None:
         """One run of a program on zero inputs: no sequences, every token on page 0."""
         inp = self.empty_input(tokens, rows)
-        outputs = self._launch(kind, inp) if kind == "step" else self._launch(
-            kind, inp, np.int32(1))
+        if kind == "step":
+            outputs = self._launch(kind, inp)
+        else:
+            outputs = self._launch(kind, inp, np.int32(1))
         jax.block_until_ready((outputs, self.caches, self.last_tokens))
 
     # ---- after a failed step -------------------------------------------------------------
@@ -444,7 +469,8 @@ class Runner:
                       self._layout(kind, tokens, rows))
         *outputs, self.caches, self.last_tokens = program(
             self._state_leaves, self.caches, self._step_buffer(packed),
-            self._seldom_used(inp.history, inp.has_penalties, self._no_history),
+            self._seldom_used(inp.history, inp.has_penalties or kind == "spec",
+                              self._no_history),
             self._seldom_used(inp.allowed, inp.is_constrained, self._all_allowed),
             self.last_tokens)
         return outputs
@@ -455,20 +481,21 @@ class Runner:
         result, prompt = self._launch("step", inp)
         return result, prompt
 
-    def launch_decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, jax.Array]:
-        """Dispatch up to `num_steps` decode steps; returns device arrays: samples (fields
-        `[S, K, ...]`) and how many each row produced `[S]`."""
-        out, count = self._launch("decode", inp, np.int32(num_steps))
-        return out, count
+    def launch_decode(self, inp: StepInput, num_steps: int) -> tuple:
+        """Dispatch up to `num_steps` decode steps (speculative rounds when the config
+        speculates for this many rows); returns device arrays: samples (fields `[S, K,
+        ...]`), how many each row produced `[S]`, and for rounds their `DraftCounts`."""
+        kind = "spec" if self.config.speculates(int(inp.num_seqs[0])) else "decode"
+        return tuple(self._launch(kind, inp, np.int32(num_steps)))
 
     def step(self, inp: StepInput) -> tuple[SampleResult, TargetLogprobs]:
         """One forward; returns what every row sampled (numpy, fields `[S, ...]`) and the
         prompt log-probabilities (fields `[T, ...]`)."""
         return jax.device_get(self.launch_step(inp))
 
-    def decode(self, inp: StepInput, num_steps: int) -> tuple[SampleResult, np.ndarray]:
-        """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`) and how many
-        each row produced `[S]`."""
+    def decode(self, inp: StepInput, num_steps: int) -> tuple:
+        """Up to `num_steps` decode steps; returns samples (fields `[S, K, ...]`), how many
+        each row produced `[S]` (and for speculative rounds, their `DraftCounts`)."""
         return jax.device_get(self.launch_decode(inp, num_steps))
 
 

@@ -124,16 +124,18 @@ def scored(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, 
 
 
 def sample_with_logprobs(logits: jax.Array, arrays: SamplingArrays, positions: jax.Array,
-                         counts: TokenCounts, allowed: jax.Array) -> SampleResult:
+                         counts: TokenCounts | None, allowed: jax.Array | None) -> SampleResult:
     """Penalties and the grammar masks (`allowed` `[B, W]`), then `sample`; log-probabilities
-    come from the unpenalized, unmasked logits.
+    come from the unpenalized, unmasked logits. `counts` / `allowed` None: rows known to have
+    no penalty / grammar (a speculative step's draft positions), nothing of either traced.
 
     Penalties and log-probabilities each pass over the whole `[B, V]` logits, so each runs
     only when some row of the batch asked for it (a `lax.cond`); otherwise its fields are
     zeros."""
-    penalized = jax.lax.cond(any_penalty(arrays),
-                             lambda: apply_penalties(logits, arrays, counts), lambda: logits)
-    tokens = sample(apply_grammar(penalized, arrays, allowed), arrays, positions)
+    penalized = logits if counts is None else jax.lax.cond(
+        any_penalty(arrays), lambda: apply_penalties(logits, arrays, counts), lambda: logits)
+    masked = penalized if allowed is None else apply_grammar(penalized, arrays, allowed)
+    tokens = sample(masked, arrays, positions)
 
     def log_probabilities():
         return scored(logits, tokens)

@@ -16,6 +16,11 @@ failing. When a step holds only decode tokens and nobody streams them (every req
 `output_kind` is "final_only"), it asks for several decode steps at once
 (`num_decode_steps`), with pages reserved for all of them; a streamed request gets each
 token from its own step, which the engine overlaps with the next.
+
+With `speculative_config`, a decode-only step of few enough rows is `speculative`: each of its
+steps is a round that may keep up to k + 1 tokens, so pages are reserved for that many per
+round (all rows or none; without them the program drafts only as far as each row's pages
+reach), and after the step the pages only rejected drafts used are freed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     decode_only: bool = False  # every chunk is one decode token: run the decode program
     num_decode_steps: int = 1  # decode steps that program runs (pages reserved for them)
+    speculative: bool = False  # a decode-only step run as speculative rounds
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
@@ -227,12 +233,21 @@ class Scheduler:
             seq.output_token_ids.extend(kept)
             seq.times.tokens_arrived(len(kept), now)
             self._register_pages(seq)
+            self._trim(seq)
             if reason is not None:
                 self._finish(seq, reason)
             if kept:
                 updates.append(SequenceUpdate(seq, row, kept, reason))
         self._refresh_grammars(updates)
         return updates
+
+    def _trim(self, seq: Sequence) -> None:
+        """Free the pages past the sequence's tokens (reserved for a loop's steps or rounds
+        that did not happen, or written only by rejected drafts)."""
+        keep = -(-seq.num_tokens // self.config.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def stop_early(self, update: SequenceUpdate, keep: int) -> None:
         """A stop string ended `update`'s sequence at its `keep`-th new token: drop the tokens
@@ -273,6 +288,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         if out.chunks and all(c.seq.is_decoding for c in out.chunks):
             out.decode_only = True
+            out.speculative = self.config.speculates(len(out.chunks))
             out.num_decode_steps = self._decode_steps(out, max_decode_steps)
         now = time.monotonic()
         for chunk in out.chunks:
@@ -308,11 +324,18 @@ class Scheduler:
         extra pages); one if a request streams (its tokens would otherwise arrive in bursts)
         or samples under a grammar (its next bitmask needs the token just sampled)."""
         steps = min(self.config.num_decode_steps, limit or self.config.num_decode_steps)
-        if steps == 1 or any(c.seq.params.output_kind == "delta" or c.seq.grammar is not None
-                             for c in out.chunks):
+        if any(c.seq.params.output_kind == "delta" or c.seq.grammar is not None
+               for c in out.chunks):
+            steps = 1
+        if steps == 1 and not out.speculative:
             return 1
-        wanted = [min(c.seq.num_computed_tokens + steps, self.config.max_model_len)
+        per_step = self.config.speculative_config.num_speculative_tokens + 1 \
+            if out.speculative else 1
+        wanted = [min(c.seq.num_computed_tokens + steps * per_step, self.config.max_model_len)
                   for c in out.chunks]
+        if out.speculative:  # no slot past the last token a row may keep
+            wanted = [min(n, c.seq.num_computed_tokens + c.seq.remaining_new_tokens)
+                      for c, n in zip(out.chunks, wanted)]
         needed = sum(max(0, -(-n // self.config.page_size) - len(c.seq.pages))
                      for c, n in zip(out.chunks, wanted))
         if needed > self.allocator.num_free_pages:

@@ -63,6 +63,9 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 # an engine option's kind → the TOML value types it accepts
 TOML_TYPES = {"int": int, "float": (float, int), "bool": bool, "str": str, "ints": list}
+# section → the engine option whose value is that whole table ([speculative]: its keys are
+# checked by the option itself, e.g. `SpeculativeConfig.from_dict`)
+TABLES = {spec.section: spec.name for spec in option_specs() if spec.kind == "table"}
 
 
 def _schema() -> dict[str, dict[str, type | tuple[type, ...]]]:
@@ -72,7 +75,8 @@ def _schema() -> dict[str, dict[str, type | tuple[type, ...]]]:
               "plan": {"model": str}, **{section: {} for section in SECTIONS}}
     schema["model"]["dtype"] = str
     for spec in option_specs():
-        schema[spec.section][spec.name] = TOML_TYPES[spec.kind]
+        if spec.kind != "table":
+            schema[spec.section][spec.name] = TOML_TYPES[spec.kind]
     return schema
 
 
@@ -153,6 +157,9 @@ def load_preset(path: str | Path) -> Preset:
     for section, fields in data.items():
         if section not in SCHEMA:
             raise ValueError(f"{path.name}: unknown section [{section}]; known: {list(SCHEMA)}")
+        if section in TABLES:
+            values[section][TABLES[section]] = dict(fields)
+            continue
         for name, value in fields.items():
             expected = SCHEMA[section].get(name)
             if expected is None:

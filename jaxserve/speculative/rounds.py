@@ -1,0 +1,171 @@
+"""The speculative decode loop, traced into the runner's "spec" program (one per row bucket).
+
+Each round, for every row at once, in one device program with no host round trip:
+1. propose: up to k drafts from the row's token history (`ngram.propose`);
+2. verify: one forward over the row's current token and its drafts (k + 1 positions, a
+   ragged batch through the attention backend, K/V written for all of them);
+3. accept: sample a token at every position with the row's own settings, keyed by (seed,
+   position) as the plain decode loop keys it, and keep the sampled tokens up to and including
+   the first one that differs from its draft.
+
+Why sampling then comparing is exact: a draft here is one token with probability 1, and for
+such a draft standard speculative sampling (accept with probability min(1, p(d) / q(d)) =
+p(d), else sample from the normalized max(0, p - q), which is p without d) gives each kept
+token exactly the target's distribution p — as does drawing t ~ p and keeping the draft when
+t = d (probability p(d)), else keeping t (p conditioned on t != d). And since the draw at a
+position is the one the plain decode loop makes there, greedy and seeded rows produce the
+tokens they would produce without speculation.
+
+Rows that cannot speculate still take part, with no drafts (one position, as a decode step):
+rows under a grammar (the mask after a draft needs the host) and rows with penalties (their
+counts after a draft would differ per position). Their position 0 samples with penalties and
+masks; draft positions sample without either, which no row that drafts needs.
+
+A rejected draft's K/V stays in its slot until the next round overwrites it; the row's length
+only counts kept tokens, so nothing reads it. The host books the kept tokens (the decode
+loop's `postprocess`), keys only their pages for the prefix cache, and frees the pages the
+rejected drafts alone used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention import PagedBatch
+from jaxserve.engine.batcher import StepInput
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
+from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.speculative import ngram
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCounts:
+    """What a speculative program proposed and kept, per row over its rounds (the host sums
+    them into vLLM's `spec_decode` counters)."""
+
+    num_drafts: jax.Array  # [S] int32, rounds in which the row proposed at least one token
+    num_draft_tokens: jax.Array  # [S] int32, tokens proposed
+    accepted_per_pos: jax.Array  # [S, k] int32, rounds whose draft j was accepted
+
+
+def _penalized_rows(inp: StepInput) -> jax.Array:
+    s = inp.sampling
+    return (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
+
+
+def _scattered(values: jax.Array, index: jax.Array, keep: jax.Array, size: int,
+               fill) -> jax.Array:
+    """`values [S, W]` placed at flat `index [S, W]` of a `[size]` array of `fill`, where
+    `keep`."""
+    flat = jnp.full((size,), fill, values.dtype)
+    return flat.at[jnp.where(keep, index, size).reshape(-1)].set(values.reshape(-1),
+                                                                mode="drop")
+
+
+def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
+                       num_rounds: jax.Array, config: EngineConfig, vocab: int):
+    """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
+    `current [S]`, at `inp.positions`). Returns the kept tokens (`SampleResult` of `[S, R *
+    (k + 1)]` fields, R = `num_decode_steps`), how many each row kept `[S]`, `DraftCounts`,
+    the cache and each row's newest token `[S]`."""
+    spec = config.speculative_config
+    k, page_size, limit = spec.num_speculative_tokens, config.page_size, config.max_model_len
+    width = k + 1
+    rows = inp.kv_lens.shape[0]
+    tokens = rows * width
+    row = jnp.arange(rows)
+    col = jnp.arange(width)  # [W] position j of a round: the current token, then drafts
+    valid = row < inp.num_seqs[0]  # [S]
+    drafting = valid & ~inp.sampling.constrained & ~_penalized_rows(inp)
+    history = inp.history.at[row, inp.positions].set(current)  # [S, L], current included
+    counts = TokenCounts.from_history(history, inp.prompt_lens, vocab, inp.sampling)
+    capacity = config.num_decode_steps * width
+    out = SampleResult(  # [S, R * W] per field (+ [MAX_LOGPROBS] for the top lists)
+        tokens=jnp.zeros((rows, capacity), jnp.int32),
+        logprob=jnp.zeros((rows, capacity), jnp.float32),
+        top_ids=jnp.zeros((rows, capacity, MAX_LOGPROBS), jnp.int32),
+        top_logprobs=jnp.zeros((rows, capacity, MAX_LOGPROBS), jnp.float32))
+    stats = DraftCounts(jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
+                        jnp.zeros((rows, k), jnp.int32))
+    # draft positions sample without penalties or masks (rows with either never draft)
+    free = dataclasses.replace(inp.sampling, presence=jnp.zeros_like(inp.sampling.presence),
+                               frequency=jnp.zeros_like(inp.sampling.frequency),
+                               repetition=jnp.ones_like(inp.sampling.repetition),
+                               constrained=jnp.zeros_like(inp.sampling.constrained))
+    free = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), free)  # [S * k] rows
+
+    def verify(position, window, done, caches, counts):
+        """Forward over `window [S, W]` (current token, drafts) at `position [S]` on; the
+        token sampled at each of its positions (`SampleResult` of `[S, W]` fields)."""
+        q_lens = jnp.where(valid, jnp.sum(window >= 0, axis=1), 0)  # [S] drafts are leading
+        cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
+        index = cu_q_lens[:-1, None] + col[None, :]  # [S, W] flat token index
+        used = col[None, :] < q_lens[:, None]  # [S, W]
+        at = position[:, None] + col[None, :]  # [S, W]
+        page = jnp.take_along_axis(inp.page_indices,
+                                   jnp.minimum(at // page_size, inp.page_indices.shape[1] - 1),
+                                   axis=1)
+        slots = jnp.where(used & ~done[:, None], page * page_size + at % page_size, -1)
+        attention_batch = PagedBatch(
+            _scattered(slots, index, used, tokens, -1), jnp.where(valid, position + q_lens, 0),
+            inp.page_indices, cu_q_lens.astype(jnp.int32), inp.num_seqs)
+        hidden, caches = model(_scattered(jnp.maximum(window, 0), index, used, tokens, 0),
+                               _scattered(at, index, used, tokens, 0), caches,
+                               attention.for_step(attention_batch))  # [T, E]
+        picked = hidden[jnp.minimum(index, tokens - 1)]  # [S, W, E]
+        first = sample_with_logprobs(model.logits(picked[:, 0]), inp.sampling, position + 1,
+                                     counts, inp.allowed)  # [S]
+        rest = sample_with_logprobs(model.logits(picked[:, 1:].reshape(rows * k, -1)), free,
+                                    (at[:, 1:] + 1).reshape(-1), None, None)  # [S * k]
+        sampled = jax.tree.map(
+            lambda a, b: jnp.concatenate([a[:, None], b.reshape(rows, k, *b.shape[1:])], 1),
+            first, rest)
+        return sampled, caches
+
+    def cond(carry):
+        step, _, _, done, *_ = carry
+        return (step < num_rounds) & ~jnp.all(done)
+
+    def body(carry):
+        step, out, count, done, current, position, history, counts, stats, caches = carry
+        remaining = inp.max_new - count  # [S] tokens the row may still keep
+        drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
+                               spec.prompt_lookup_max, limit)  # [S, k]
+        may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
+        drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
+        window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
+        sampled, caches = verify(position, window, done, caches, counts)
+        accepted = jnp.sum(jnp.cumprod(sampled.tokens[:, :k] == drafts, axis=1), axis=1)
+        is_stop = jnp.any(sampled.tokens[:, :, None] == inp.stop_ids[:, None, :], axis=-1)
+        first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), width)
+        kept = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), remaining)
+        kept = jnp.where(done, 0, kept)  # [S]
+        keep = col[None, :] < kept[:, None]  # [S, W]
+        slot = jnp.where(keep, count[:, None] + col[None, :], capacity)  # [S, W]
+        out = jax.tree.map(lambda buf, new: buf.at[row[:, None], slot].set(new, mode="drop"),
+                           out, sampled)
+        history = history.at[row[:, None], jnp.where(keep, position[:, None] + 1 + col, limit)
+                             ].set(sampled.tokens, mode="drop")
+        counts = counts.add(sampled.tokens[:, 0], kept > 0)  # penalty rows keep one a round
+        proposed = jnp.sum(drafts >= 0, axis=1)
+        stats = DraftCounts(
+            stats.num_drafts + (proposed > 0), stats.num_draft_tokens + proposed,
+            stats.accepted_per_pos + ((col[None, :k] < accepted[:, None])
+                                      & (proposed > 0)[:, None]).astype(jnp.int32))
+        newest = sampled.tokens[row, jnp.maximum(kept - 1, 0)]
+        current = jnp.where(kept > 0, newest, current)
+        count = count + kept
+        stopped = (first_stop < kept) | (count >= inp.max_new)
+        return (step + 1, out, count, done | stopped, current, position + kept, history,
+                counts, stats, caches)
+
+    done = ~valid | (inp.max_new <= 0)
+    carry = (jnp.int32(0), out, jnp.zeros((rows,), jnp.int32), done, current,
+             inp.positions[:rows], history, counts, stats, caches)
+    _, out, count, _, current, _, _, _, stats, caches = jax.lax.while_loop(cond, body, carry)
+    return out, count, stats, caches, current
