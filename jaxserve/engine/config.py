@@ -178,6 +178,19 @@ class EngineConfig:
         spec = self.speculative_config
         return spec is not None and spec.applies_to(rows)
 
+    def decode_programs(self) -> list[tuple[str, int]]:
+        """(kind, rows) of every decode-only program: per rung of `seq_buckets`, "spec" if
+        some row count it holds speculates, "decode" if some does not."""
+        programs = []
+        least = 1  # the fewest rows a rung holds: one more than the rung below
+        for rows in self.seq_buckets:
+            if self.speculates(least):
+                programs.append(("spec", rows))
+            if not self.speculates(rows):
+                programs.append(("decode", rows))
+            least = rows + 1
+        return programs
+
     def resolved_cache_dir(self) -> Path:
         """The persistent compilation cache folder: the option, $JAXSERVE_CACHE_DIR, or
         a per-user cache folder."""

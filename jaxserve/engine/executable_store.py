@@ -56,10 +56,11 @@ log = logging.getLogger("jaxserve.engine")
 
 FORMAT = b"jaxserve-executable-1\n"
 # The source that traces the programs: jaxserve's top-level modules (sampling limits), the
-# model, attention, engine and loading packages, the kernels and the sharding rules. The
-# server, fleet, CLI, benches and plans do not shape a program: editing them keeps entries.
+# model, attention, engine, speculative and loading packages, the kernels and the sharding
+# rules. The server, fleet, CLI, benches and plans do not shape a program: editing them
+# keeps entries.
 _TRACED_SOURCE = (("jaxserve", ("*.py", "model/**/*.py", "attention/**/*.py",
-                                "engine/**/*.py", "loading/**/*.py")),
+                                "engine/**/*.py", "speculative/**/*.py", "loading/**/*.py")),
                   ("pallas_kernels", ("**/*.py",)), ("sharding", ("**/*.py",)))
 _DIGEST_LOCK = threading.Lock()
 _SOURCE_DIGEST: list[str] = []

@@ -344,13 +344,7 @@ class Runner:
         """Every program the bucket ladders can ask for."""
         cfg = self.config
         keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
-        smallest = (1,) + tuple(s + 1 for s in cfg.seq_buckets[:-1])  # each bucket's least rows
-        for least, s in zip(smallest, cfg.seq_buckets):
-            if cfg.speculates(least):
-                keys.append(("spec", s, s))
-            if not cfg.speculates(s):
-                keys.append(("decode", s, s))
-        return keys
+        return keys + [(kind, s, s) for kind, s in cfg.decode_programs()]
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile every bucket's program (or read it from the executable store / JAX's

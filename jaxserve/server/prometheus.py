@@ -72,6 +72,7 @@ class _EngineState:
                 startup.add_metric([model_name, phase], seconds)
         yield startup
         yield from _config_info(self.engines)
+        yield from _spec_decode(self.engines)
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
             yield GaugeMetricFamily("jaxserve:memory_mappings",
@@ -102,6 +103,41 @@ def _config_info(engines: dict[str, Engine]):
                             str(bool(quant and quant.activations)).lower()], 1)
     yield cache
     yield weights
+
+
+SPEC_DECODE_COUNTERS = {  # vLLM's spec_decode counters → the engine's counter of each
+    "vllm:spec_decode_num_drafts": ("Rounds in which a request proposed draft tokens.",
+                                    "spec_decode_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed.",
+                                          "spec_decode_num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
+                                             "spec_decode_num_accepted_tokens"),
+}
+
+
+def _spec_decode(engines: dict[str, Engine]):
+    """vLLM's speculative-decoding counters, for the engines that speculate; accepted tokens
+    also per draft position (`position` label), as vLLM reports them."""
+    speculating = {name: engine.metrics.snapshot()["counters"]
+                   for name, engine in list(engines.items())
+                   if engine.config.speculative_config is not None}
+    if not speculating:
+        return
+    for name, (doc, field) in SPEC_DECODE_COUNTERS.items():
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        for model_name, counters in speculating.items():
+            family.add_metric([model_name], counters.get(field, 0))
+        yield family
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position.",
+                                  labels=["model_name", "position"])
+    for model_name, counters in speculating.items():
+        k = engines[model_name].config.speculative_config.num_speculative_tokens
+        for position in range(k):
+            per_pos.add_metric(
+                [model_name, str(position)],
+                counters.get(f"spec_decode_num_accepted_tokens_per_pos:{position}", 0))
+    yield per_pos
 
 
 class PrometheusMetrics:

@@ -67,6 +67,25 @@ def _scattered(values: jax.Array, index: jax.Array, keep: jax.Array, size: int,
                                                                 mode="drop")
 
 
+def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
+               remaining: jax.Array, done: jax.Array) -> tuple[jax.Array, ...]:
+    """Which of a round's tokens each row keeps. `sampled [S, k + 1]`: the token drawn at
+    each position (after the current token, then after each draft); `drafts [S, k]`
+    (`NO_DRAFT` where none); `stop_ids [S, M]` (-1 padded); `remaining [S]`: tokens the row
+    may still keep; `done [S]`: rows already finished. Returns `[S]` each: drafts accepted
+    (the leading drafts equal to the token drawn before them), tokens kept (the accepted
+    drafts' tokens and the one drawn after them, cut after a stop token and at `remaining`),
+    and whether the row stops here."""
+    width = sampled.shape[1]
+    accepted = jnp.sum(jnp.cumprod(sampled[:, :-1] == drafts, axis=1), axis=1)
+    is_stop = jnp.any(sampled[:, :, None] == stop_ids[:, None, :], axis=-1)  # [S, W]
+    first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), width)
+    kept = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), remaining)
+    kept = jnp.where(done, 0, kept)
+    stopped = ~done & ((first_stop < kept) | (kept >= remaining))
+    return accepted, kept, stopped
+
+
 def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
                        num_rounds: jax.Array, config: EngineConfig, vocab: int):
     """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
@@ -140,11 +159,8 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
         sampled, caches = verify(position, window, done, caches, counts)
-        accepted = jnp.sum(jnp.cumprod(sampled.tokens[:, :k] == drafts, axis=1), axis=1)
-        is_stop = jnp.any(sampled.tokens[:, :, None] == inp.stop_ids[:, None, :], axis=-1)
-        first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), width)
-        kept = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), remaining)
-        kept = jnp.where(done, 0, kept)  # [S]
+        accepted, kept, stopped = acceptance(sampled.tokens, drafts, inp.stop_ids, remaining,
+                                             done)
         keep = col[None, :] < kept[:, None]  # [S, W]
         slot = jnp.where(keep, count[:, None] + col[None, :], capacity)  # [S, W]
         out = jax.tree.map(lambda buf, new: buf.at[row[:, None], slot].set(new, mode="drop"),
@@ -160,7 +176,6 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         newest = sampled.tokens[row, jnp.maximum(kept - 1, 0)]
         current = jnp.where(kept > 0, newest, current)
         count = count + kept
-        stopped = (first_stop < kept) | (count >= inp.max_new)
         return (step + 1, out, count, done | stopped, current, position + kept, history,
                 counts, stats, caches)
 

@@ -3,6 +3,7 @@
 table, and each carries a value through to the engine options unchanged."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ def other_value(spec):
     if spec.choices:
         return next(c for c in reversed(spec.choices) if c != spec.default)
     return {"int": 4, "float": 0.25, "str": "elsewhere", "ints": (16, 32),
-            "bool": not spec.default}[spec.kind]
+            "bool": not spec.default,
+            "table": {"method": "ngram", "num_speculative_tokens": 2}}[spec.kind]
 
 
 def test_every_field_has_a_spec():
@@ -35,6 +37,8 @@ def test_flag_carries_the_option(command, spec):
     value = other_value(spec)
     if spec.kind == "bool":
         argv = [spec.flag if value else "--no-" + spec.flag[2:]]
+    elif spec.kind == "table":
+        argv = [spec.flag, json.dumps(value)]
     else:
         argv = [spec.flag, *map(str, value if spec.kind == "ints" else [value])]
     prefix = ["generate", "hi"] if command == "generate" else [command]
@@ -48,9 +52,12 @@ def test_preset_field_carries_the_option(spec, tmp_path):
     value = other_value(spec)
     toml = (str(value).lower() if spec.kind == "bool" else list(value) if spec.kind == "ints"
             else f'"{value}"' if spec.kind == "str" else value)
+    if spec.kind == "table":  # the section is the option's table
+        fields = "\n".join(f"{key} = {json.dumps(v)}" for key, v in value.items())
+    else:
+        fields = f"{spec.name} = {toml}"
     path = tmp_path / "preset.toml"
-    path.write_text(f'[hardware]\nplatform = "cpu"\ndevices = 8\n'
-                    f"[{spec.section}]\n{spec.name} = {toml}\n")
+    path.write_text(f'[hardware]\nplatform = "cpu"\ndevices = 8\n[{spec.section}]\n{fields}\n')
     assert load_preset(path).engine_options == {spec.name: value}
 
 
