@@ -136,10 +136,12 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         hidden, caches = model(_scattered(jnp.maximum(window, 0), index, used, tokens, 0),
                                _scattered(at, index, used, tokens, 0), caches,
                                attention.for_step(attention_batch))  # [T, E]
-        picked = hidden[jnp.minimum(index, tokens - 1)]  # [S, W, E]
-        first = sample_with_logprobs(model.logits(picked[:, 0]), inp.sampling, position + 1,
-                                     counts, inp.allowed)  # [S]
-        rest = sample_with_logprobs(model.logits(picked[:, 1:].reshape(rows * k, -1)), free,
+        # one logits matmul for every position: the vocabulary's weights are read once
+        logits = model.logits(hidden[jnp.minimum(index, tokens - 1)].reshape(tokens, -1))
+        logits = logits.reshape(rows, width, -1)  # [S, W, V]
+        first = sample_with_logprobs(logits[:, 0], inp.sampling, position + 1, counts,
+                                     inp.allowed)  # [S]
+        rest = sample_with_logprobs(logits[:, 1:].reshape(rows * k, -1), free,
                                     (at[:, 1:] + 1).reshape(-1), None, None)  # [S * k]
         sampled = jax.tree.map(
             lambda a, b: jnp.concatenate([a[:, None], b.reshape(rows, k, *b.shape[1:])], 1),
