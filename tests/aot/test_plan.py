@@ -107,6 +107,25 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
             assert 0 < kernel["shared_memory_bytes"] <= 232448
 
 
+@pytest.mark.parametrize("platform,accelerator", sweep([("tpu", "v5e"), ("gpu", "h100")],
+                                                       keep={0}))
+def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, accelerator):
+    """A preset's [speculative] table: its decode programs are speculative rounds (drafts
+    looked up, verified through the target's ragged kernel), compiled for the TPU/GPU, and
+    they update the KV cache in place as every program must."""
+    preset = tmp_path / "spec.toml"
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator)
+                      + '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 3\n')
+    code, plan = run_plan("--config", preset, "--model", tiny)
+    assert code == 0, plan["reason"]
+    shapes = [(p["name"], p["tokens"], p["seqs"]) for p in plan["programs"]]
+    assert ("spec", 1, 1) in shapes and ("spec", 8, 8) in shapes
+    assert not any(name == "decode" for name, _, _ in shapes)
+    for program in plan["programs"]:
+        assert program["compiled"] and program["cache_donated"], program
+        assert program["cache_copies"] == program["cache_whole_pool_ops"] == 0, program
+
+
 def test_oversized_plan_exits_1_with_the_numbers():
     code, plan = run_plan("--config", REPO / "tpu_configs/v5e-1.toml", "--model",
                           "llama-3.1-70b")

@@ -193,3 +193,22 @@ def test_disable_by_batch_size_picks_programs_per_rung():
     assert config.speculative_config.prompt_lookup_min == 5  # vLLM's default
     assert [config.speculates(n) for n in (1, 5, 6)] == [True, True, False]
 
+
+
+def test_pallas_kernels_verify_drafts_as_the_reference_decodes(tmp_path):
+    """The verification forward through the Pallas ragged kernel (interpret mode on CPU; what
+    TPUs and GPUs run) keeps the tokens the reference backend decodes one at a time. head_dim
+    64 because the kernels take 64/128/256."""
+    from tiny_models import build_model
+
+    build_model("llama_tied_headdim_rope3", tmp_path, head_dim=64)
+    engine = dict(SMALL_ENGINE, seq_buckets=(2,), max_num_seqs=2, token_buckets=(32,),
+                  max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    few = prompts()[:2]
+    want = LLM(str(tmp_path), dtype="float32", progress=False, attention_backend="reference",
+               **engine).generate(few, params)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, attention_backend="pallas",
+              speculative_config=SPEC, **engine)
+    assert tokens(llm.generate(few, params)) == tokens(want)
+    assert llm.engine.metrics.snapshot()["counters"]["spec_decode_num_accepted_tokens"] > 0
