@@ -376,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     from jaxserve.bench import (device_bench, load_bench, models_bench, offline_bench,
-                                pool_bench, quality_bench, serve_bench, startup_bench,
-                                structured_bench)
+                                pool_bench, quality_bench, serve_bench, speculative_bench,
+                                startup_bench, structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
@@ -385,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "kernels, serving an 8B model, start-up; JSON, table, plot"),
         "offline": (offline_bench, "generation throughput at batch 1 and N beside "
                                    "transformers (and vLLM), decode roofline"),
+        "spec": (speculative_bench, "the engine with and without speculative decoding at "
+                                    "several concurrencies: tokens/s, TPOT, acceptance"),
         "pool": (pool_bench, "a single request's decode step at several KV pool sizes "
                              "(must be flat)"),
         "structured": (structured_bench,
