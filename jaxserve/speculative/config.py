@@ -56,6 +56,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config.num_speculative_tokens is required (the "
                              "drafts proposed per row and round)")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            if values.get(name) is not None:
+                _check_positive(name, values[name])  # as given, before one fills the other
         low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = DEFAULT_LOOKUP
@@ -68,18 +71,12 @@ class SpeculativeConfig:
 
     def check(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got "
-                                 f"{value!r}")
+            _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
-        limit = self.disable_by_batch_size
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
-            raise ValueError("speculative_config.disable_by_batch_size must be a positive "
-                             f"integer, got {limit!r}")
+        if self.disable_by_batch_size is not None:
+            _check_positive("disable_by_batch_size", self.disable_by_batch_size)
 
     def applies_to(self, rows: int) -> bool:
         """Whether a decode step of `rows` running requests speculates."""
@@ -87,3 +84,9 @@ class SpeculativeConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be a positive integer, got "
+                         f"{value!r}")
