@@ -38,6 +38,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.presets import engine_settings
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.speculative.draft import draft_config, load_draft
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 
@@ -79,6 +80,9 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
                                                    engine_options)
     resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
     engine_config = engine_config_for(model_config, engine_options)
+    spec = engine_config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        draft_config(spec, model_config)  # the draft's folder and vocabulary, checked early
     first = jax.devices()[0]
     model_config = with_quantization(model_config, engine_config.quantization,
                                      engine_config.quantize_activations, first.platform,
@@ -106,10 +110,14 @@ class LLM:
         else:
             self.model = load_weights(model_dir, self.config, self.dtype, progress=progress,
                                       mesh=mesh)
+        spec = self.engine_config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft(spec, self.config, self.dtype, mesh, progress)
         eos = eos_token_ids(model_dir, self.config.eos_token_ids,
                             self.tokenizer.eos_token_id if self.tokenizer else None)
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress,
-                             load_seconds=time.perf_counter() - started)
+                             load_seconds=time.perf_counter() - started, draft=draft)
         self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
         self._request_ids = itertools.count()
 

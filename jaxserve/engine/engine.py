@@ -147,9 +147,11 @@ class Engine:
     """Serves many requests at once on one model."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: Tokenizer | None,
-                 eos_token_ids: Iterable[int], progress: bool = True, load_seconds: float = 0.0):
+                 eos_token_ids: Iterable[int], progress: bool = True, load_seconds: float = 0.0,
+                 draft: LlamaModel | None = None):
         """`load_seconds`: how long reading `model`'s weights took (start-up's "load" phase
-        begins there; placing and stacking them here counts too)."""
+        begins there; placing and stacking them here counts too). `draft`: the draft model
+        of `speculative_config` method "draft_model" (`jaxserve.speculative.draft`)."""
         started = time.perf_counter()
         self.config = config
         self.tokenizer = tokenizer
@@ -162,17 +164,25 @@ class Engine:
             model = stack_layers(model)  # consumes the per-layer arrays
         self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
+        if draft is not None:
+            draft = shard_model(draft, self.mesh)
+            if scan_layers_for(config):
+                draft = stack_layers(draft)
         dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)  # of the KV pages
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         self.num_pages = multihost.agree(choose_num_pages(
-            model.config, config, dtype, local[0], config.tensor_parallel_size))
+            model.config, config, dtype, local[0], config.tensor_parallel_size,
+            None if draft is None else draft.config))
         self.replicas: list[Replica] = []
         for sub_mesh in sharding.replica_meshes(self.mesh):
             allocator = PageAllocator(self.num_pages, config.page_size,
                                       config.enable_prefix_caching)
-            replica_model = model if config.data_parallel_size == 1 else on_mesh(model, sub_mesh)
+            replica_model, replica_draft = model, draft
+            if config.data_parallel_size > 1:
+                replica_model = on_mesh(model, sub_mesh)
+                replica_draft = None if draft is None else on_mesh(draft, sub_mesh)
             runner = Runner(replica_model, config, self.num_pages, sub_mesh,
-                            executable_store=self.executable_store)
+                            executable_store=self.executable_store, draft=replica_draft)
             runner.warm_up(progress)
             self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
         self.runner = self.replicas[0].runner

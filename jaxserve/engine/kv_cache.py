@@ -47,26 +47,29 @@ def page_bytes(model: ModelConfig, page_size: int, dtype, tensor_parallel_size: 
 
 
 def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
-                     device: jax.Device | None = None, tensor_parallel_size: int = 1) -> int:
+                     device: jax.Device | None = None, tensor_parallel_size: int = 1,
+                     draft: ModelConfig | None = None) -> int:
     """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
     for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
-    on the mesh: each device holds 1/tensor_parallel_size of its kv heads."""
+    on the mesh: each device holds 1/tensor_parallel_size of its kv heads. A `draft` model's
+    pool has a page for every page of the target's (the same ids): both count."""
     device = device or jax.devices()[0]
     stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
     return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
-                            stats.get("bytes_in_use", 0), tensor_parallel_size, device.platform)
+                            stats.get("bytes_in_use", 0), tensor_parallel_size, device.platform,
+                            draft)
 
 
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
                      bytes_in_use: int, tensor_parallel_size: int = 1,
-                     platform: str | None = None) -> int:
+                     platform: str | None = None, draft: ModelConfig | None = None) -> int:
     """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
     bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
     limit. `jaxserve plan` calls this with the numbers of a device that is not attached."""
     if engine.num_pages is not None:
         return engine.num_pages
-    one_page = page_bytes(model, engine.page_size, dtype, tensor_parallel_size,
-                          platform) // tensor_parallel_size
+    one_page = sum(page_bytes(m, engine.page_size, dtype, tensor_parallel_size, platform)
+                   for m in (model, draft) if m is not None) // tensor_parallel_size
     if bytes_limit is not None:
         budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
         pages = max(budget, 0) // one_page

@@ -84,12 +84,15 @@ class Runner:
     """Holds the weights, the KV cache and the compiled programs."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, mesh: Mesh,
-                 platform: str | None = None, executable_store: ExecutableStore | None = None):
+                 platform: str | None = None, executable_store: ExecutableStore | None = None,
+                 draft: LlamaModel | None = None):
         """`model` must already be placed on `mesh` (`jaxserve.loading.weights.shard_model`),
         or be abstract (parameters `jax.ShapeDtypeStruct`s with their shardings, as
         `jaxserve plan` builds it): then the KV cache is abstract too and the programs can
         only be compiled, not run. `platform`: where the programs run (default: JAX's
-        default backend; `jaxserve plan` names its target's)."""
+        default backend; `jaxserve plan` names its target's). `draft`: the draft model of
+        `speculative_config` method "draft_model", placed like `model`; its KV cache is a
+        pool of its own with the same page ids, and `caches` is then (target's, draft's)."""
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
@@ -97,18 +100,31 @@ class Runner:
         # The programs take the weights as a flat list: flattening nnx variables per call
         # would cost the host more than the rest of a small step's dispatch.
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
+        self._num_model_leaves = len(self._state_leaves)
+        self.draft_config = draft.config if draft is not None else None
+        if draft is not None:  # its leaves follow the target's in the same flat list
+            self.draft_graphdef, draft_state = nnx.split(draft)
+            draft_leaves, self._draft_def = jax.tree.flatten(draft_state)
+            self._state_leaves = self._state_leaves + draft_leaves
         abstract = isinstance(model.embed.get_value(), jax.ShapeDtypeStruct)  # compile only
         cache_dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
                                       platform)
+        models = [model] if draft is None else [model, draft]
+        if draft is not None:
+            self.draft_attention = make_backend(config, draft.config, mesh, num_pages,
+                                                draft.scan_layers, platform)
         if abstract:
-            self.caches = cache_structure(model.config, num_pages, config.page_size,
-                                          cache_dtype, model.scan_layers, mesh, platform)
+            pools = [cache_structure(m.config, num_pages, config.page_size, cache_dtype,
+                                     m.scan_layers, mesh, platform) for m in models]
+            self.caches = pools[0] if draft is None else tuple(pools)
         else:
-            self._allocate_caches = functools.partial(
-                allocate_kv_cache, model.config, num_pages, config.page_size, cache_dtype,
-                mesh, model.scan_layers, config.calculate_kv_scales, platform)
+            allocators = [functools.partial(
+                allocate_kv_cache, m.config, num_pages, config.page_size, cache_dtype, mesh,
+                m.scan_layers, config.calculate_kv_scales, platform) for m in models]
+            self._allocate_caches = (allocators[0] if draft is None else
+                                     lambda: tuple(allocate() for allocate in allocators))
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
@@ -148,17 +164,35 @@ class Runner:
     def _unpacked(self, layout: Layout, state_leaves, packed, history, allowed):
         """The model and the program's inputs (a tuple: the `StepInput`, then any scalars)
         from the flat arguments every program takes."""
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state_leaves))
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(
+            self._state_def, state_leaves[:self._num_model_leaves]))
         inp, *rest = unpack(packed, layout)
         return model, dataclasses.replace(inp, history=history, allowed=allowed), *rest
+
+    def _draft(self, state_leaves):
+        """(the draft model, its attention backend) from the programs' flat weights, or None
+        without a draft."""
+        if self.draft_config is None:
+            return None
+        draft = nnx.merge(self.draft_graphdef, jax.tree.unflatten(
+            self._draft_def, state_leaves[self._num_model_leaves:]))
+        return draft, self.draft_attention
 
     def _step(self, layout: Layout, state_leaves, caches, packed, history, allowed,
               last_tokens):
         model, inp = self._unpacked(layout, state_leaves, packed, history, allowed)
-        attention = self.attention.for_step(PagedBatch(
-            inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs))
-        hidden, caches = model(self._token_ids(inp, last_tokens), inp.positions, caches,
-                               attention)  # [T, E]
+        batch = PagedBatch(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens,
+                           inp.num_seqs)
+        token_ids = self._token_ids(inp, last_tokens)
+        draft = self._draft(state_leaves)
+        if draft is not None:  # the draft keeps its cache over every token the target sees
+            caches, draft_caches = caches
+            _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
+                                       draft[1].for_step(batch))
+        hidden, caches = model(token_ids, inp.positions, caches,
+                               self.attention.for_step(batch))  # [T, E]
+        if draft is not None:
+            caches = (caches, draft_caches)
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
                                           inp.sampling)
@@ -222,7 +256,7 @@ class Runner:
         model, inp, num_rounds = self._unpacked(layout, state_leaves, packed, history, allowed)
         out, count, drafts, caches, current = speculative_rounds(
             model, self.attention, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
-            self.config, self.model_config.vocab_size)
+            self.config, self.model_config.vocab_size, self._draft(state_leaves))
         return out, count, drafts, caches, self._padded(current)
 
     # ---- compilation --------------------------------------------------------------------
@@ -275,11 +309,15 @@ class Runner:
         """What shapes a bucket's program, known without tracing it (with the devices and
         the environment, `executable_store.program_store_key` makes it a key)."""
         cfg = self.config
+        spec = None
+        if kind == "spec":  # the draft's path does not shape a program; its config does
+            spec = {k: v for k, v in cfg.speculative_config.as_dict().items() if k != "model"}
+        draft = None if self.draft_config is None else (repr(self.draft_config),
+                                                        str(self._draft_def))
         return {"program": (kind, tokens, rows), "model": repr(self.model_config),
+                "draft": draft,
                 "options": {"max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-                            "num_decode_steps": cfg.num_decode_steps,
-                            "speculative": (cfg.speculative_config.as_dict()
-                                            if kind == "spec" else None)},
+                            "num_decode_steps": cfg.num_decode_steps, "speculative": spec},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
                 "arguments": [(a.shape, str(a.dtype), str(a.sharding))
                               for a in jax.tree.leaves(args)]}

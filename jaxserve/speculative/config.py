@@ -10,8 +10,12 @@ occurrence (between `prompt_lookup_min` and `prompt_lookup_max` tokens; both def
 one given alone sets the other, as in vLLM) of the row's last tokens, up to
 `num_speculative_tokens` of them. `disable_by_batch_size` (vLLM's name): decode steps with more
 running requests than this run the plain decode loop, where verifying drafts costs more than
-it saves. "draft_model" and "eagle3" are vLLM's other methods; jaxserve does not run them yet
-and says so.
+it saves.
+
+`method` "draft_model" proposes with `model`, a smaller model of the same vocabulary (a
+Hugging Face folder or Hub id of any family jaxserve loads), greedily, k tokens one after
+another (`jaxserve.speculative.draft`). "eagle3" and vLLM's other methods are not run yet, and
+saying one is a `ValueError` that says so.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle3", "eagle", "medusa", "mlp_speculator", "suffix", "deepseek_mtp")
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min/max when neither is given
 
 
@@ -33,6 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model ("draft_model")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
@@ -65,7 +70,7 @@ class SpeculativeConfig:
         low = high if low is None else low
         high = low if high is None else high
         config = cls(method, values["num_speculative_tokens"], low, high,
-                     values.get("disable_by_batch_size"))
+                     values.get("disable_by_batch_size"), values.get("model"))
         config.check()
         return config
 
@@ -77,6 +82,17 @@ class SpeculativeConfig:
                              f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None:
             _check_positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model is required with method "
+                                 "'draft_model': the draft's folder or Hub id")
+            if self.disable_by_batch_size is not None:
+                raise ValueError("speculative_config.disable_by_batch_size is not supported "
+                                 "with method 'draft_model' yet (the plain decode loop does "
+                                 "not keep the draft's cache)")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is for method 'draft_model'; method "
+                             f"{self.method!r} has no model")
 
     def applies_to(self, rows: int) -> bool:
         """Whether a decode step of `rows` running requests speculates."""

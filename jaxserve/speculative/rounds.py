@@ -40,6 +40,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.speculative import ngram
+from jaxserve.speculative.draft import propose as propose_with_draft
 
 
 @jax.tree_util.register_dataclass
@@ -87,11 +88,12 @@ def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
 
 
 def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
-                       num_rounds: jax.Array, config: EngineConfig, vocab: int):
+                       num_rounds: jax.Array, config: EngineConfig, vocab: int, draft=None):
     """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
-    `current [S]`, at `inp.positions`). Returns the kept tokens (`SampleResult` of `[S, R *
-    (k + 1)]` fields, R = `num_decode_steps`), how many each row kept `[S]`, `DraftCounts`,
-    the cache and each row's newest token `[S]`."""
+    `current [S]`, at `inp.positions`). `draft`: (draft model, its attention backend) with
+    `caches` then (target's, draft's), else the n-gram lookup proposes. Returns the kept
+    tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R = `num_decode_steps`), how many
+    each row kept `[S]`, `DraftCounts`, the cache(s) and each row's newest token `[S]`."""
     spec = config.speculative_config
     k, page_size, limit = spec.num_speculative_tokens, config.page_size, config.max_model_len
     width = k + 1
@@ -155,12 +157,20 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
     def body(carry):
         step, out, count, done, current, position, history, counts, stats, caches = carry
         remaining = inp.max_new - count  # [S] tokens the row may still keep
-        drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
-                               spec.prompt_lookup_max, limit)  # [S, k]
+        if draft is None:
+            drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max, limit)  # [S, k]
+        else:
+            caches, draft_caches = caches
+            drafts, draft_caches = propose_with_draft(
+                *draft, draft_caches, history, current, position, valid & ~done,
+                inp.page_indices, inp.num_seqs, k, page_size)
         may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
         sampled, caches = verify(position, window, done, caches, counts)
+        if draft is not None:
+            caches = (caches, draft_caches)
         accepted, kept, stopped = acceptance(sampled.tokens, drafts, inp.stop_ids, remaining,
                                              done)
         keep = col[None, :] < kept[:, None]  # [S, W]
