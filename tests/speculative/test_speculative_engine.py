@@ -3,7 +3,8 @@ alone and transformers.
 
 - Exactness: greedy and seeded requests (temperature, top-k, top-p, min-p, log-probabilities,
   stop tokens, length limits) give the tokens the same engine gives without speculation, in
-  a batch with rows that cannot speculate (penalties, a grammar).
+  a batch with rows that cannot speculate (penalties, a grammar); so do they with a draft
+  model that is often wrong, and a draft identical to the target has every draft accepted.
 - Distribution: unseeded sampling with a prompt-lookup draft that is often wrong (so both
   acceptance and rejection happen) follows transformers' probabilities (a chi-square test on
   the first three tokens).
@@ -169,6 +170,45 @@ def test_unseeded_sampling_follows_transformers_distribution(folder, base, spec)
     assert stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue > 1e-3
 
 
+@pytest.fixture(scope="module")
+def poor_draft(tmp_path_factory):
+    """A one-layer random model of the target's vocabulary: a draft that is often wrong."""
+    from tiny_models import build_model
+
+    path = tmp_path_factory.mktemp("draft")
+    build_model("llama", path, seed=5, num_layers=1)
+    return path
+
+
+def test_a_draft_model_keeps_the_target_tokens(folder, base, poor_draft):
+    llm = LLM(str(folder), dtype="float32", progress=False, strict_compile=True,
+              speculative_config={"method": "draft_model", "model": str(poor_draft),
+                                  "num_speculative_tokens": 3}, **SMALL_ENGINE)
+    batch = prompts() + [{"prompt_token_ids": [3] * 40}]
+    for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=30,
+                                  ignore_eos=True, logprobs=2)):
+        assert tokens(llm.generate(batch, params)) == tokens(base.generate(batch, params))
+    counters = llm.engine.metrics.snapshot()["counters"]
+    assert counters["spec_decode_num_draft_tokens"] > 0
+    assert llm.engine.replicas[0].allocator.num_free_pages == llm.engine.num_pages - 1
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(folder, base):
+    """A draft with the target's weights proposes the target's greedy tokens, so every draft
+    is accepted: its KV cache (filled by prompt steps, re-fed and extended each round) holds
+    what the target's holds."""
+    llm = LLM(str(folder), dtype="float32", progress=False,
+              speculative_config={"method": "draft_model", "model": str(folder),
+                                  "num_speculative_tokens": 3}, **SMALL_ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate(prompts()[:1], params)  # alone, then four at once (prompts beside decodes)
+    assert tokens(llm.generate(prompts(), params)) == tokens(base.generate(prompts(), params))
+    counters = llm.engine.metrics.snapshot()["counters"]
+    assert counters["spec_decode_num_accepted_tokens"] == counters[
+        "spec_decode_num_draft_tokens"] > 100
+
+
 def test_speculative_config_is_checked_by_key(folder):
     bad = [({"method": "eagle3", "num_speculative_tokens": 2}, "not supported yet"),
            ({"method": "ngarm", "num_speculative_tokens": 2}, "method must be one of"),
@@ -176,10 +216,21 @@ def test_speculative_config_is_checked_by_key(folder):
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
              "prompt_lookup_max": 2}, "prompt_lookup_min"),
-           ({"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1}, "draft_tp")]
+           ({"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1}, "draft_tp"),
+           ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "has no model")]
     for config, message in bad:
         with pytest.raises(ValueError, match=message):
             LLM(str(folder), progress=False, speculative_config=config, **SMALL_ENGINE)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(folder, tmp_path):
+    from tiny_models import build_model
+
+    build_model("llama", tmp_path, num_layers=1, vocab_size=400)
+    with pytest.raises(ValueError, match="speculative_config.model .* vocabulary of 400"):
+        LLM(str(folder), progress=False, **SMALL_ENGINE, speculative_config={
+            "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
 
 
 def test_disable_by_batch_size_picks_programs_per_rung():
