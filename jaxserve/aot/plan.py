@@ -55,6 +55,7 @@ from jaxserve.model.config import resolve_dtype
 from jaxserve.presets import Preset
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.weights import abstract_sharded_model
+from jaxserve.speculative.draft import draft_config
 
 
 @dataclasses.dataclass
@@ -189,12 +190,14 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         devices = tuple(devices[i] for i in indices)
     mesh = sharding.make_mesh(engine.tensor_parallel_size, engine.data_parallel_size, devices)
     replica_mesh = sharding.replica_meshes(mesh)[0]  # every replica compiles the same programs
-    model = abstract_sharded_model(model_config, param_dtype, replica_mesh,
-                                   scan_layers_for(engine, target.platform))
+    scan = scan_layers_for(engine, target.platform)
+    model = abstract_sharded_model(model_config, param_dtype, replica_mesh, scan)
     stored = model.config  # as stored on the mesh (kv heads repeated when tp > Hkv)
+    draft = _abstract_draft(engine, model_config, param_dtype, replica_mesh, scan)
+    models = [model] if draft is None else [model, draft]
     hbm = target.hbm_bytes()
     cache_dtype = page_dtype(engine.kv_cache_dtype, param_dtype)
-    weights = weights_bytes_per_device(model)
+    weights = sum(weights_bytes_per_device(m) for m in models)
     result: dict[str, Any] = {
         "platform": target.platform, "target": target.name, "devices": target.devices,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
@@ -211,16 +214,16 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
-                                     tp, target.platform)
+                                     tp, target.platform, draft and draft.config)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device{_in_use_note(first_in_use)}: {err}"
         return result
-    kv_bytes = num_pages * (page_bytes(stored, engine.page_size, cache_dtype, tp,
-                                       target.platform) // tp)
+    kv_bytes = num_pages * (sum(page_bytes(m.config, engine.page_size, cache_dtype, tp,
+                                           target.platform) for m in models) // tp)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size)
-    runner = Runner(model, engine, num_pages, replica_mesh, target.platform)
+    runner = Runner(model, engine, num_pages, replica_mesh, target.platform, draft=draft)
     reports = []
     programs = chosen_programs(runner, buckets)
     pools = PagePools.of(runner.caches, stored.num_layers)
@@ -240,6 +243,16 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     result["reason"] = _failure(reports, weights + kv_bytes, hbm, most_in_use)
     result["fits"] = result["reason"] is None
     return result
+
+
+def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool):
+    """The abstract draft model of `speculative_config` method "draft_model" (its config
+    read, its vocabulary checked against the target's), or None."""
+    spec = engine.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    _, config = draft_config(spec, target_config, config_only=True)
+    return abstract_sharded_model(config, dtype, mesh, scan)
 
 
 def _in_use_note(in_use: int) -> str:

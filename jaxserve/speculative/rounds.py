@@ -163,8 +163,8 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         else:
             caches, draft_caches = caches
             drafts, draft_caches = propose_with_draft(
-                *draft, draft_caches, history, current, position, valid & ~done,
-                inp.page_indices, inp.num_seqs, k, page_size)
+                *draft, draft_caches, current, position, valid & ~done, inp.page_indices,
+                inp.num_seqs, k, page_size)
         may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]

@@ -107,15 +107,24 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
             assert 0 < kernel["shared_memory_bytes"] <= 232448
 
 
-@pytest.mark.parametrize("platform,accelerator", sweep([("tpu", "v5e"), ("gpu", "h100")],
-                                                       keep={0}))
-def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, accelerator):
+@pytest.mark.parametrize("platform,accelerator,method", sweep(
+    [("tpu", "v5e", "draft_model"), ("gpu", "h100", "draft_model"), ("tpu", "v5e", "ngram")],
+    keep={0}))
+def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, accelerator,
+                                                     method):
     """A preset's [speculative] table: its decode programs are speculative rounds (drafts
-    looked up, verified through the target's ragged kernel), compiled for the TPU/GPU, and
-    they update the KV cache in place as every program must."""
+    proposed by a draft model or looked up, verified through the target's ragged kernel),
+    compiled for the TPU/GPU, and they update both KV pools in place as every program must;
+    the draft's weights and its KV pool count in the plan."""
+    draft = dict(TINY, num_hidden_layers=1, hidden_size=256, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=512)
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(draft))
+    table = f'[speculative]\nmethod = "{method}"\nnum_speculative_tokens = 3\n'
+    if method == "draft_model":
+        table += f'model = "{tmp_path / "draft"}"\n'
     preset = tmp_path / "spec.toml"
-    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator)
-                      + '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 3\n')
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator) + table)
     code, plan = run_plan("--config", preset, "--model", tiny)
     assert code == 0, plan["reason"]
     shapes = [(p["name"], p["tokens"], p["seqs"]) for p in plan["programs"]]
@@ -124,6 +133,13 @@ def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, a
     for program in plan["programs"]:
         assert program["compiled"] and program["cache_donated"], program
         assert program["cache_copies"] == program["cache_whole_pool_ops"] == 0, program
+    if method == "draft_model":  # bfloat16 weights; a page of both pools (16 tokens, K and V)
+        d_e, d_i, v = draft["hidden_size"], draft["intermediate_size"], draft["vocab_size"]
+        d_layer = d_e * 2 * 128 * 2 + d_e * 1 * 128 * 2 + 3 * d_e * d_i + 2 * d_e
+        assert plan["weights_bytes_per_device"] == tiny_weight_bytes() + 2 * (
+            2 * v * d_e + d_e + d_layer)
+        page = 2 * 16 * 128 * 2 * (TINY["num_hidden_layers"] * TINY["num_key_value_heads"] + 1)
+        assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
 
 
 def test_oversized_plan_exits_1_with_the_numbers():
