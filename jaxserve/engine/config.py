@@ -97,9 +97,10 @@ class EngineConfig:
     calculate_kv_scales: bool = _option(False, "kv_cache", "with fp8 pages: calibrate "
                                         "scales from the first step's tokens, not 1")
     speculative_config: SpeculativeConfig | dict | None = _option(
-        None, "speculative", "speculative decoding, vLLM's keys: method (ngram), "
-        "num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size; a JSON object "
-        "on the command line, a preset's [speculative] table")
+        None, "speculative", "speculative decoding, vLLM's keys: method (ngram, "
+        "draft_model), num_speculative_tokens, prompt_lookup_min/max, model (the draft), "
+        "disable_by_batch_size; a JSON object on the command line, a preset's [speculative] "
+        "table")
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
