@@ -86,6 +86,7 @@ def test_restore_on_another_mesh_gives_the_same_outputs(folders):
     assert llm.model.embed[...].sharding.spec[0] == "model"
 
 
+@pytest.mark.slow  # CI's slow step (a bfloat16 engine at tp 4 x dp 2); restores at tp 4 stay
 def test_restore_casts_to_the_requested_dtype(folders):
     _, ckpt, _ = folders
     llm = LLM(str(ckpt), progress=False, dtype="bfloat16", tensor_parallel_size=4,

@@ -194,6 +194,7 @@ def test_compressed_tensors_fp8_checkpoint(tmp_path, strategy):
         np.testing.assert_allclose(logits, reference, atol=1e-4)
 
 
+@pytest.mark.slow  # CI's slow step; compressed-tensors logits stay in the main suite (above)
 def test_engine_on_compressed_tensors_generates_transformers_tokens(tmp_path):
     """The serving engine (paged attention, tensor parallel 2) on an FP8 checkpoint greedily
     generates what transformers generates from the dequantized weights; so does the orbax
