@@ -11,7 +11,9 @@ Sections, in order (`--only device,kernels,...` runs some):
 - serving: the engine `serve` builds from the chip's preset, on an 8B Llama-shaped model with
   random bfloat16 weights generated on the device; batches of 1, 16, 64 and 256 requests of
   1,024-token prompts and 128 new tokens: `output_tok_s`, `ttft_ms`, `tpot_ms`, `mbu`; then
-  the same with int8 weights and an fp8 KV cache (`jaxserve.bench.device_serving`);
+  the same with int8 weights and an fp8 KV cache, then n-gram speculation at batches 1 and
+  16 (random weights: the cost side, with the acceptance they get; `acceptance`)
+  (`jaxserve.bench.device_serving`);
 - startup: `jaxserve serve` of the benchmarks' random 60M Llama with the chip's preset (and
   the serving section's `--max-num-seqs`), on an empty executable store (`cold_s`) and again
   on the store it filled (`warm_s`), launch to healthy.

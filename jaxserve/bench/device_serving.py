@@ -9,7 +9,8 @@ For each batch size, that many requests of `prompt_len` random tokens, each gene
   time per output token after the first);
 - `mbu` (model bandwidth utilisation): the bytes one decode step reads — the weights on a
   device plus the K/V of every row at its average length during decode — divided by the
-  median time per output token and by the copy bandwidth measured in the same run.
+  median time per output token and by the copy bandwidth measured in the same run;
+- `acceptance` (the speculative variant): accepted / proposed draft tokens.
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 PRESET_BY_DEVICE = {"H200": "h200-1", "H100": "h100-1", "A100": "a100-80g-1",
                     "TPU v6": "v6e-1", "TPU v5 lite": "v5e-1", "TPU v5e": "v5e-1",
                     "TPU v5": "v5p-8", "cpu": "cpu"}
-# The variants measured: the preset as it is, then int8 weights with an fp8 KV cache.
-VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype": "fp8"}}
+# The variants measured: the preset as it is, then int8 weights with an fp8 KV cache, then
+# n-gram speculation at the smallest and a middle batch (random weights: its cost side; the
+# acceptance a model's real text gets needs real weights).
+VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
+            "ngram_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 4,
+                                                  "prompt_lookup_min": 2}}}
+SPEC_BATCHES = 2  # the speculative variant runs the first two batch sizes only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +143,7 @@ def run_batch(engine, batch: int, work: Workload, rng) -> dict[str, float]:
 
     params = SamplingParams(temperature=0, max_tokens=work.new_tokens, ignore_eos=True)
     vocab = engine.model_config.vocab_size
+    before = engine.metrics.snapshot()["counters"]
     started = time.monotonic()
     seqs = [engine.add_request(f"b{batch}-{i}", rng.integers(3, vocab, work.prompt_len).tolist(),
                                params) for i in range(batch)]
@@ -145,9 +153,14 @@ def run_batch(engine, batch: int, work: Workload, rng) -> dict[str, float]:
     ttft = [s.times.first_token - s.times.arrival for s in seqs]
     tpot = [(s.times.last_token - s.times.first_token) / max(1, len(s.output_token_ids) - 1)
             for s in seqs]
+    after = engine.metrics.snapshot()["counters"]
+    drafted, accepted = (after.get(name, 0) - before.get(name, 0) for name in (
+        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
     return {"output_tok_s": batch * work.new_tokens / wall,
             "ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * statistics.median(tpot),
-            "wall_s": wall}
+            "wall_s": wall,
+            **({"acceptance": accepted / max(drafted, 1)}
+               if engine.config.speculative_config is not None else {})}
 
 
 def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
@@ -171,7 +184,9 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
             add({"variant": variant, "error": f"{type(err).__name__}: {str(err)[:400]}"})
             continue
-        for batch in work.batches:
+        batches = work.batches[:SPEC_BATCHES] if "speculative_config" in overrides \
+            else work.batches
+        for batch in batches:
             row = {"variant": variant, "batch": batch, "prompt_len": work.prompt_len,
                    "new_tokens": work.new_tokens, "weight_bytes": weight_bytes,
                    "build_s": round(build_s, 1),
@@ -186,5 +201,6 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
                 continue
             step_bytes = weight_bytes + batch * (work.prompt_len + work.new_tokens / 2) * per_token
             numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
-            add({**row, **{k: round(v, 4 if k == "mbu" else 2) for k, v in numbers.items()}})
+            add({**row, **{k: round(v, 4 if k in ("mbu", "acceptance") else 2)
+                           for k, v in numbers.items()}})
         del engine
