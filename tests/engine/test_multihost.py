@@ -31,6 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # CI's slow step: two processes each compile their programs (about 50 s)
 def test_two_processes_give_one_process_tokens(tmp_path):
     folder = tmp_path / "model"
     build_model("llama", folder, num_attention_heads=8, num_key_value_heads=2,

@@ -180,6 +180,7 @@ def poor_draft(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # CI's slow step; the target as its own draft stays in the main suite
 def test_a_draft_model_keeps_the_target_tokens(folder, base, poor_draft):
     llm = LLM(str(folder), dtype="float32", progress=False, strict_compile=True,
               speculative_config={"method": "draft_model", "model": str(poor_draft),
@@ -246,6 +247,7 @@ def test_disable_by_batch_size_picks_programs_per_rung():
 
 
 
+@pytest.mark.slow  # CI's slow step: Pallas interpret mode; plans compile it for TPU/GPU
 def test_pallas_kernels_verify_drafts_as_the_reference_decodes(tmp_path):
     """The verification forward through the Pallas ragged kernel (interpret mode on CPU; what
     TPUs and GPUs run) keeps the tokens the reference backend decodes one at a time. head_dim
