@@ -165,6 +165,12 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     for name, w in work.items():
         _timed(name, w, args.output_len, lambda p: generate([p])[0], generate, results)
     engine = llm.engine
+    counters = engine.metrics.snapshot()["counters"]
+    if counters.get("spec_decode_num_draft_tokens"):
+        accepted = counters["spec_decode_num_accepted_tokens"]
+        drafted = counters["spec_decode_num_draft_tokens"]
+        print(f"  speculative decoding: {accepted} of {drafted} draft tokens accepted "
+              f"({accepted / drafted:.0%})", flush=True)
     decode_step = decode_step_seconds(engine, "roofline",
                                       next(iter(work.values()))["prompts"][0], params)
     weights = sum(np.prod(x.shape) * x.dtype.itemsize
