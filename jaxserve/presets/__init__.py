@@ -12,6 +12,9 @@ given as a path.
     [mesh] [kv_cache] [batching] [compile]
                 the engine options, each in the section `EngineConfig` gives it (the
                 README's option table lists them)
+    [speculative]
+                `speculative_config`'s keys (method, num_speculative_tokens, ...): the
+                section is the option's table (`TABLES`)
 
 The header comment's numbers (KV GiB, tokens, compile times) come from
 `jaxserve plan --config PRESET` with the `[plan]` model, not from arithmetic by hand.
