@@ -159,15 +159,16 @@ class Engine:
         enable_compilation_cache(config)
         self.executable_store = executable_store_for(config)
         self.mesh = engine_mesh(config)
-        model = shard_model(model, self.mesh)
-        if scan_layers_for(config):
-            model = stack_layers(model)  # consumes the per-layer arrays
+        def placed(model: LlamaModel) -> LlamaModel:
+            model = shard_model(model, self.mesh)
+            if scan_layers_for(config):
+                model = stack_layers(model)  # consumes the per-layer arrays
+            return model
+
+        model = placed(model)
         self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
-        if draft is not None:
-            draft = shard_model(draft, self.mesh)
-            if scan_layers_for(config):
-                draft = stack_layers(draft)
+        draft = None if draft is None else placed(draft)
         dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)  # of the KV pages
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         self.num_pages = multihost.agree(choose_num_pages(

@@ -34,10 +34,14 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 jax.tree_util.register_dataclass(SamplingArrays)
 
 
+def penalized_rows(arrays: SamplingArrays) -> jax.Array:
+    """`[B]` bool: the rows with a presence, frequency or repetition penalty."""
+    return (arrays.presence != 0) | (arrays.frequency != 0) | (arrays.repetition != 1)
+
+
 def any_penalty(arrays: SamplingArrays) -> jax.Array:
     """Whether some row has a presence, frequency or repetition penalty."""
-    return jnp.any((arrays.presence != 0) | (arrays.frequency != 0)
-                   | (arrays.repetition != 1))
+    return jnp.any(penalized_rows(arrays))
 
 
 @jax.tree_util.register_dataclass

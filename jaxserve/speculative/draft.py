@@ -53,6 +53,16 @@ def load_draft(spec, target: ModelConfig, dtype, mesh: Mesh, progress: bool) -> 
     return load_weights(folder, config, dtype, progress=progress, mesh=mesh)
 
 
+def page_slots(page_indices: jax.Array, at: jax.Array, page_size: int,
+               writes: jax.Array) -> jax.Array:
+    """The cache slots of positions `at [S, n]` through each row's page table `[S, P]`; -1
+    where not `writes [S, n]` or past the table (nothing is written there)."""
+    column = at // page_size
+    columns = page_indices.shape[1]
+    page = jnp.take_along_axis(page_indices, jnp.minimum(column, columns - 1), axis=1)
+    return jnp.where(writes & (column < columns), page * page_size + at % page_size, -1)
+
+
 def propose(draft, attention, caches, current: jax.Array, position: jax.Array,
             active: jax.Array, page_indices: jax.Array, num_seqs, k: int, page_size: int):
     """k greedy drafts per row `[S, k]` and the draft's updated cache. `current [S]` at
@@ -67,10 +77,7 @@ def propose(draft, attention, caches, current: jax.Array, position: jax.Array,
     def step(j, carry):
         token, drafts, caches = carry
         at = position + j  # [S]
-        column = at // page_size
-        page = jnp.take_along_axis(page_indices, jnp.minimum(column, columns - 1)[:, None],
-                                   1)[:, 0]
-        slots = jnp.where(active & (column < columns), page * page_size + at % page_size, -1)
+        slots = page_slots(page_indices, at[:, None], page_size, active[:, None])[:, 0]
         seen = jnp.minimum(at + 1, columns * page_size)  # no read past the page table
         batch = PagedBatch(slots, jnp.where(valid, seen, 0), page_indices, cu_q_lens, num_seqs,
                            decode_only=True)

@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from jaxserve.attention import PagedBatch
 from jaxserve.engine.batcher import StepInput
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.sampler import SampleResult, TokenCounts, sample_with_logprobs
+from jaxserve.engine.sampler import (SampleResult, TokenCounts, penalized_rows,
+                                     sample_with_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.speculative import ngram
-from jaxserve.speculative.draft import propose as propose_with_draft
+from jaxserve.speculative.draft import page_slots, propose as propose_with_draft
 
 
 @jax.tree_util.register_dataclass
@@ -52,11 +53,6 @@ class DraftCounts:
     num_drafts: jax.Array  # [S] int32, rounds in which the row proposed at least one token
     num_draft_tokens: jax.Array  # [S] int32, tokens proposed
     accepted_per_pos: jax.Array  # [S, k] int32, rounds whose draft j was accepted
-
-
-def _penalized_rows(inp: StepInput) -> jax.Array:
-    s = inp.sampling
-    return (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
 
 
 def _scattered(values: jax.Array, index: jax.Array, keep: jax.Array, size: int,
@@ -102,7 +98,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
     row = jnp.arange(rows)
     col = jnp.arange(width)  # [W] position j of a round: the current token, then drafts
     valid = row < inp.num_seqs[0]  # [S]
-    drafting = valid & ~inp.sampling.constrained & ~_penalized_rows(inp)
+    drafting = valid & ~inp.sampling.constrained & ~penalized_rows(inp.sampling)
     history = inp.history.at[row, inp.positions].set(current)  # [S, L], current included
     counts = TokenCounts.from_history(history, inp.prompt_lens, vocab, inp.sampling)
     capacity = config.num_decode_steps * width
@@ -128,10 +124,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         index = cu_q_lens[:-1, None] + col[None, :]  # [S, W] flat token index
         used = col[None, :] < q_lens[:, None]  # [S, W]
         at = position[:, None] + col[None, :]  # [S, W]
-        page = jnp.take_along_axis(inp.page_indices,
-                                   jnp.minimum(at // page_size, inp.page_indices.shape[1] - 1),
-                                   axis=1)
-        slots = jnp.where(used & ~done[:, None], page * page_size + at % page_size, -1)
+        slots = page_slots(inp.page_indices, at, page_size, used & ~done[:, None])
         attention_batch = PagedBatch(
             _scattered(slots, index, used, tokens, -1), jnp.where(valid, position + q_lens, 0),
             inp.page_indices, cu_q_lens.astype(jnp.int32), inp.num_seqs)
