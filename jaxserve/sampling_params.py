@@ -57,6 +57,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: str = "delta"
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         _check_number("temperature", self.temperature, low=0.0)

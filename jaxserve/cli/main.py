@@ -37,6 +37,7 @@ import os
 import sys
 
 from jaxserve import __version__
+from jaxserve.tool_calling import REASONING_PARSERS, TOOL_PARSERS, ChatParsing
 
 
 def _json_object(text: str) -> dict:
@@ -112,6 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.metrics_need_api_key and not args.api_key:
         raise ValueError("--metrics-need-api-key needs --api-key (the key /metrics would ask)")
+    chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
+                               args.reasoning_parser)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     listener = _listen_socket(args.host, args.port) if multihost.is_leader() else None
     if args.models is not None:
@@ -133,7 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
                                 config=args.config, engine_options=engine_options)
     state = ServerState(dataclasses.replace(
         options, api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
-        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests))
+        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+        chat_parsing=chat_parsing))
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout))
@@ -325,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=int, default=300,
                        help="seconds to let in-flight requests finish after SIGTERM")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools) by parsing the '
+                            "model's calls with --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None,
+                       choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes tool calls in (vLLM's names)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think> reasoning into reasoning_content")
     serve.add_argument("--coordinator-address", default=None,
                        help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
     serve.add_argument("--num-processes", type=int, default=None)

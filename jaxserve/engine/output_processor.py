@@ -68,7 +68,8 @@ class OutputProcessor:
         self.request_id = seq.request_id
         self.stop = seq.params.stop
         self.stop_token_ids = seq.stop_token_ids
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.detok = (IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
+                      if tokenizer is not None else None)
         self.text = ""  # final text so far (stop strings and stop tokens removed)
         self.emitted = 0  # characters of `text` already streamed
         # Per generated token: {token id: log-probability} of it and the top `logprobs`.

@@ -65,8 +65,12 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template (sandboxed jinja2)."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """Render `messages` with the model's chat template (sandboxed jinja2), as Hugging
+        Face's `apply_chat_template` does: `tools` (OpenAI's function entries) and
+        `template_kwargs` (e.g. Qwen3's `enable_thinking`) are template variables."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template")
         for i, message in enumerate(messages):
@@ -77,11 +81,11 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda value, indent=None: json.dumps(
             value, indent=indent, ensure_ascii=False)
+        variables = {**(template_kwargs or {}), "messages": messages, "tools": tools,
+                     "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(messages=messages,
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return env.from_string(self.chat_template).render(**variables)
         except jinja2.exceptions.SecurityError as err:  # the sandbox refused it
             raise InvalidRequestError("messages", f"the chat template was refused by the "
                                       f"sandbox: {err}") from None

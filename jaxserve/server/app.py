@@ -21,6 +21,7 @@ says whether it is ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from typing import Callable
@@ -156,14 +157,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def admit(served: ServedModel, body, build: Callable, answer_as: str,
                     request_id: str | None):
-        """The job of `body` on `served` (its grammar compiled off the event loop first)."""
+        """The job of `body` on `served` (its grammar compiled off the event loop first, and
+        a chat request's tool schemas checked by compiling them)."""
         structured = body.structured()
-        if structured is not None:  # compiled off the event loop; the job finds it cached
+        checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []
+        checks += [(body.structured_field(), structured)] if structured is not None else []
+        for field, constraint in checks:  # compiled off the event loop; the job finds it cached
             try:
                 await asyncio.to_thread(served.llm.engine.grammar_compiler().compile,
-                                        structured)
+                                        constraint)
             except InvalidRequestError as err:
-                err.field = body.structured_field()  # the name the client sent
+                err.field = field  # the name the client sent
                 raise
         return build(served, body, answer_as, request_id)
 
@@ -203,7 +207,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await run(request, body, handlers.ChatJob)
+        return await run(request, body, functools.partial(handlers.ChatJob,
+                                                          parsing=state.chat_parsing))
 
     add_tokenizer_routes(app, state, v1)
     add_router_routes(app, state, check_api_key)

@@ -27,6 +27,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, Usage, new_id,
                                       now)
+from jaxserve.tool_calling import ChatParsing, ReplyParser
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -103,6 +104,10 @@ class Job:
         """The prompt text shown before a choice's output (None: no echo)."""
         return None
 
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output's text keeps special tokens whatever the request says."""
+        return False
+
     def max_tokens(self, prompt_len: int) -> int:
         """The choice's token limit; a prompt that leaves no room is an error, as in OpenAI."""
         room = self.max_model_len - prompt_len
@@ -121,7 +126,8 @@ class Job:
     def _submit(self, index: int, text, ids, max_tokens: int, j: int) -> None:
         logprobs = self.logprobs_count()
         params = self.body.sampling_params(max_tokens, logprobs, j,
-                                           self.prompt_logprobs_count(), self.structured)
+                                           self.prompt_logprobs_count(), self.structured,
+                                           self.keeps_special_tokens())
         request_id = f"{self.id}-{index}"
         self.engine.submit(request_id, ids, params, text, self.body.cache_salt)
         self.choices.append(Choice(index, request_id, ids, logprobs, self.echo_text(text, ids)))
@@ -360,18 +366,40 @@ class CompletionJob(Job):
 
 
 class ChatJob(Job):
+    """A chat request: messages (and tools) rendered by the model's chat template; each
+    reply read by a `ReplyParser` into content, reasoning and tool calls."""
+
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
     body: ChatCompletionRequest
+
+    def __init__(self, served, body, answer_as: str, request_id: str | None = None,
+                 parsing: ChatParsing = ChatParsing()):
+        self.parsing = parsing
+        self.tool_choice = body.tool_choice_checked
+        parsing.check(self.tool_choice)
+        self.replies: dict[int, ReplyParser] = {}  # choice index → its parser
+        super().__init__(served, body, answer_as, request_id)
 
     def prompts(self):
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "messages", "messages need a chat template: this model has no tokenizer")
         messages = [m.as_template_message() for m in self.body.messages]
-        text = self.tokenizer.apply_chat_template(messages)
+        tools = self.tool_choice.tools if self.tool_choice is not None else None
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, template_kwargs=self.body.chat_template_kwargs)
         return [(text, self.tokenizer.encode(text, add_special_tokens=False))]
+
+    def keeps_special_tokens(self):
+        return self.parsing.keeps_special_tokens(self.tool_choice)
+
+    def reply(self, choice: Choice) -> ReplyParser:
+        if choice.index not in self.replies:
+            self.replies[choice.index] = self.parsing.reply_parser(
+                self.tool_choice, self.body.include_reasoning)
+        return self.replies[choice.index]
 
     def requested_max_tokens(self):
         return self.body.max_completion_tokens or self.body.max_tokens
@@ -404,19 +432,23 @@ class ChatJob(Job):
 
     def choice_body(self, choice, output):
         completion = output.outputs[0]
+        reply = self.reply(choice)
         body = {"index": choice.index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": reply.message(reply.feed(completion.text) + reply.finish()),
                 "logprobs": self._logprobs(completion.token_ids, completion.logprobs),
-                "finish_reason": completion.finish_reason}
+                "finish_reason": reply.finish_reason(completion.finish_reason)}
         return self.with_prompt_logprobs(body, choice, output.prompt_logprobs)
 
     def delta_body(self, choice, delta, first):
-        message = {"role": "assistant", "content": delta.new_text} if first else (
-            {"content": delta.new_text} if delta.new_text else {})
+        reply = self.reply(choice)
+        events = reply.feed(delta.new_text) + (reply.finish() if delta.finished else [])
+        message = reply.delta(events)
+        if first:
+            message = {"role": "assistant", "content": "", **message}
         if not message and not delta.finished and delta.new_logprobs is None:
             return None
         logprobs = (self._logprobs(delta.new_token_ids, delta.new_logprobs)
                     if delta.new_logprobs is not None else None)
         body = {"index": choice.index, "delta": message, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+                "finish_reason": reply.finish_reason(delta.finish_reason)}
         return self.with_prompt_logprobs(body, choice, delta.prompt_logprobs)

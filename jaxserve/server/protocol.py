@@ -2,8 +2,9 @@
 
 Fields follow OpenAI's `/v1/completions` and `/v1/chat/completions` (`response_format` and
 `echo` included), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `prompt_logprobs`, `structured_outputs` and the older `guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`). Unknown
+`stop_token_ids`, `prompt_logprobs`, `skip_special_tokens`, `structured_outputs` and the older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; on chat, `tools`,
+`tool_choice`, `parallel_tool_calls`, `chat_template_kwargs` and `include_reasoning`). Unknown
 fields are ignored, as OpenAI clients send ones this server has no use for. Range checks live
 in `SamplingParams`, so the API and Python share one set of rules; what is checked here is what
 JSON can carry and Python cannot serve (lone surrogates, NaN, ints past the device's int32).
@@ -11,14 +12,18 @@ JSON can carry and Python cannot serve (lone surrogates, NaN, ints past the devi
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.tool_calling import ToolChoice, check_tool_choice
 
 
 def valid_unicode(value):
@@ -78,6 +83,7 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only within one salt
+    skip_special_tokens: bool = True
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
@@ -96,7 +102,8 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
                         prompt_logprobs: int | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        keep_special_tokens: bool = False) -> SamplingParams:
         """Parameters of choice `index` (choices of a seeded request get seeds seed+index)."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -107,7 +114,8 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, structured_outputs=structured,
-            output_kind="delta" if self.stream else "final_only")
+            output_kind="delta" if self.stream else "final_only",
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens)
 
 
 class CompletionRequest(SamplingFields):
@@ -125,18 +133,54 @@ class ContentPart(BaseModel):
     text: str | None = None  # typed: a text that is no string failed the join (HTTP 500)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    name: str | None = None
 
     def as_template_message(self) -> dict:
-        """{"role", "content"} with content parts ({"type": "text", ...}) joined to text."""
+        """The message as chat templates read it: content parts ({"type": "text", ...})
+        joined to text; an assistant's tool calls with their arguments as objects (what
+        Hugging Face templates expect), not the JSON text OpenAI sends."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content if part.type == "text")
-        return {"role": self.role, "content": content or ""}
+        message: dict = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
+        for field in ("tool_call_id", "name"):
+            if getattr(self, field) is not None:
+                message[field] = getattr(self, field)
+        return message
+
+
+def _arguments_object(text: str):
+    """A tool call's JSON arguments as an object; text that is not JSON stays text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,6 +189,42 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None  # checked by `tool_choice_checked`, naming the entry
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    include_reasoning: bool = True
+
+    @functools.cached_property
+    def tool_choice_checked(self) -> ToolChoice | None:
+        """The request's tools and tool choice, checked (`jaxserve.tool_calling`)."""
+        return check_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint: a required or named tool choice's, else the fields'."""
+        constraint = super().structured()
+        choice = self.tool_choice_checked
+        from_tools = choice.constraint() if choice is not None else None
+        if from_tools is None:
+            return constraint
+        if constraint is not None:
+            raise InvalidRequestError("tool_choice", f"tool_choice {choice.mode!r} constrains "
+                                      f"the reply already; drop {super().structured_field()}")
+        return from_tools
+
+    def structured_field(self) -> str:
+        choice = self.tool_choice_checked
+        if choice is not None and choice.constraint() is not None:
+            return "tools"
+        return super().structured_field()
+
+    def tool_schemas(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Each tool's parameters as a JSON-schema constraint, named by its field: compiling
+        them checks that they are schemas the structured-output engine can enforce."""
+        choice = self.tool_choice_checked
+        return [(f"tools[{i}].function.parameters",
+                 StructuredOutputsParams(json=tool["function"]["parameters"]))
+                for i, tool in enumerate(choice.tools if choice else ())]
 
 
 class Usage(BaseModel):

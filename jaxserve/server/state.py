@@ -18,6 +18,7 @@ from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.prometheus import PrometheusMetrics
+from jaxserve.tool_calling import ChatParsing
 
 log = logging.getLogger("jaxserve.server")
 
@@ -37,6 +38,7 @@ class ServerOptions:
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     models_file: str | None = None  # several models and versions (jaxserve.fleet)
     routing_seed: int = 0  # of the weighted choice among a name's versions
+    chat_parsing: ChatParsing = ChatParsing()  # tool-call and reasoning parsers, every model
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
@@ -61,6 +63,7 @@ class ServerState:
         self.api_key = options.api_key
         self.metrics_need_api_key = options.metrics_need_api_key
         self.max_body_bytes = options.max_body_bytes
+        self.chat_parsing = options.chat_parsing
         self.created = int(time.time())
         self.prometheus = PrometheusMetrics()
         self.fleet = ModelFleet(self.read_entries, build, options.max_waiting_requests,

@@ -4,8 +4,8 @@ Clients that count tokens or build prompts themselves use them; lm-eval's `local
 probes `/tokenizer_info` and `/tokenize` to decide whether it may tokenize on the server
 (`tokenizer_backend=auto`). Bodies and answers follow vLLM's: `/tokenize` takes a prompt
 (completions style, special tokens added) or chat messages (rendered with the model's chat
-template as `/v1/chat/completions` renders them, no special tokens added: the template writes
-its own) and answers `{"tokens", "count", "max_model_len"}`, plus `token_strs` (the
+template as `/v1/chat/completions` renders them, `tools` and `chat_template_kwargs` included;
+no special tokens added: the template writes its own) and answers `{"tokens", "count", "max_model_len"}`, plus `token_strs` (the
 vocabulary's strings of the ids) when asked.
 
 Errors are answered here in OpenAI's shape rather than raised as `app.APIError`: importing
@@ -26,6 +26,7 @@ from jaxserve.fleet.routing import UnknownModelError
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.server.protocol import ChatMessage, error_body, valid_unicode
 from jaxserve.server.state import ServerState
+from jaxserve.tool_calling import check_tool_choice
 
 # tokenizer_config.json fields that are file paths on the serving machine, left out as vLLM does
 _PATH_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
@@ -44,6 +45,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Any] | None = None  # rendered by the chat template, as chat completions do
+    chat_template_kwargs: dict[str, Any] | None = None
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
@@ -131,8 +134,11 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
         return tokenizer.encode(body.prompt, add_special_tokens=add_special)
     if not body.messages:
         raise InvalidRequestError("messages", "messages is empty")
+    choice = check_tool_choice(body.tools, None, None)
     text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                         add_generation_prompt=body.add_generation_prompt)
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         tools=choice.tools if choice else None,
+                                         template_kwargs=body.chat_template_kwargs)
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
