@@ -178,12 +178,18 @@ class LLM:
             self.engine.step()
         return [self.engine.pop_output(seq) for seq in sequences]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None
-             ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a list of them."""
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them.
+        `tools` (OpenAI's function entries) and `chat_template_kwargs` reach the chat
+        template, as in vLLM's `LLM.chat`; the reply is text (the HTTP server parses calls)."""
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c),
-                    "prompt": self.tokenizer.apply_chat_template(c)} for c in conversations]
+        texts = [self.tokenizer.apply_chat_template(c, tools=tools,
+                                                    template_kwargs=chat_template_kwargs)
+                 for c in conversations]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False),
+                    "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params)

@@ -2,7 +2,8 @@
 `sys.modules` (so an import anywhere down the chain counts, `__init__` files included):
 
 - the plain-Python core (scheduler, page allocator, sequence, batcher, request and sampling
-  parameters, engine options) and `jaxserve --help` start no jax, flax or torch;
+  parameters, engine options, the chat reply parsers) and `jaxserve --help` start no jax,
+  flax or torch;
 - `pallas_kernels` and `sharding` import neither `jaxserve` nor each other.
 """
 
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "jaxlib", "flax", "torch")
 PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",
               "jaxserve.engine.sequence", "jaxserve.engine.batcher", "jaxserve.engine.config",
-              "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.errors"]
+              "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.errors",
+              "jaxserve.tool_calling"]
 
 
 def loaded_packages(code: str) -> set[str]:

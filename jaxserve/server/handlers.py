@@ -387,7 +387,7 @@ class ChatJob(Job):
             raise InvalidRequestError(
                 "messages", "messages need a chat template: this model has no tokenizer")
         messages = [m.as_template_message() for m in self.body.messages]
-        tools = self.tool_choice.tools if self.tool_choice is not None else None
+        tools = self.body.tools if self.tool_choice is not None else None  # as the client wrote
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools, template_kwargs=self.body.chat_template_kwargs)
         return [(text, self.tokenizer.encode(text, add_special_tokens=False))]

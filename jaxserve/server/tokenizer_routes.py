@@ -5,8 +5,8 @@ probes `/tokenizer_info` and `/tokenize` to decide whether it may tokenize on th
 (`tokenizer_backend=auto`). Bodies and answers follow vLLM's: `/tokenize` takes a prompt
 (completions style, special tokens added) or chat messages (rendered with the model's chat
 template as `/v1/chat/completions` renders them, `tools` and `chat_template_kwargs` included;
-no special tokens added: the template writes its own) and answers `{"tokens", "count", "max_model_len"}`, plus `token_strs` (the
-vocabulary's strings of the ids) when asked.
+no special tokens added: the template writes its own) and answers `{"tokens", "count",
+"max_model_len"}`, plus `token_strs` (the vocabulary's strings of the ids) when asked.
 
 Errors are answered here in OpenAI's shape rather than raised as `app.APIError`: importing
 `app` would be circular once `app` registers these routes.
@@ -137,7 +137,7 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     choice = check_tool_choice(body.tools, None, None)
     text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
                                          add_generation_prompt=body.add_generation_prompt,
-                                         tools=choice.tools if choice else None,
+                                         tools=body.tools if choice else None,
                                          template_kwargs=body.chat_template_kwargs)
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 

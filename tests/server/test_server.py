@@ -2,10 +2,12 @@
 input, the serving benchmark for load, Prometheus' parser for /metrics."""
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -77,6 +79,27 @@ def test_chat_streaming_and_not_equal_llm_chat(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "book"}}])
+def test_required_and_named_tool_calls_are_valid_on_a_random_model(client, tool_choice):
+    """A random model knows no tools: only the grammar makes its arguments valid."""
+    schema = {"type": "object", "properties": {"room": {"type": "integer", "minimum": 1},
+                                               "guests": {"type": "array", "maxItems": 2,
+                                                          "items": {"enum": ["Ann", "Bo"]}}},
+              "required": ["room"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+             for name in ("book", "cancel")]
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hello"}], tools=tools,
+        tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=100, temperature=0.7,
+        seed=5)
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("book", "cancel")
+    assert tool_choice == "required" or calls[0].function.name == "book"
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
 def test_n_seed_and_logprobs(client):
     out = client.completions.create(model=NAME, prompt="A", max_tokens=6, n=3, seed=5,
                                     temperature=1.0, logprobs=2,
@@ -122,6 +145,10 @@ BAD_INPUTS = [
                               "top_logprobs": 50}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
      400, "messages.0.role"),
+    # tools with tool_choice "auto" (their default) on a server with no --tool-call-parser
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice"),
 ]
 
 
