@@ -33,6 +33,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "head_dim": None,
     "norm": None,
     "layers": None,  # the stacked-layers axis (`scan_layers`): every device holds all layers
+    "experts": None,  # mixture of experts: every device holds a slice of every expert
 }
 
 

@@ -18,6 +18,43 @@ VOCAB = 320
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# A Qwen2.5-style template (hermes tool calls): tools, assistant calls, tool results, and
+# Qwen3's enable_thinking.
+TOOLS_CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You help.{% endif %}
+
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" %}<|im_start|>assistant
+{%- if message.content %}
+{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif not (message.role == "system" and tools) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
 CORPUS = [
     "Once upon a time there was a little fox who lived in the forest.",
     "The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café!",
@@ -47,7 +84,15 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4,
+                                                            num_experts_per_tok=2)),
 }
+# Routers get weights this much larger than the rest, so that which experts a token picks
+# (and their weights) changes from token to token and changes the output tokens.
+ROUTER_SCALE = 20.0
 
 
 def build_tokenizer(folder: Path) -> None:
@@ -64,6 +109,11 @@ def build_tokenizer(folder: Path) -> None:
         "bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}))
 
 
+def is_router(name: str) -> bool:
+    """Whether the parameter called `name` is a mixture-of-experts router."""
+    return name.endswith(".gate.weight") and ".experts." not in name
+
+
 def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **overrides):
     """Save a random model of architecture `name` (see ARCHITECTURES) with a tokenizer;
     `overrides` replace config fields."""
@@ -78,8 +128,10 @@ def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **o
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
+            if is_router(name):
+                param.mul_(ROUTER_SCALE)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     build_tokenizer(folder)

@@ -78,8 +78,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable, tuple]]:
     """HF tensor name → (model path, HF→model transform, expected HF shape) for layer i."""
-    e, hq, hkv, d, m = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.intermediate_size)
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hf = f"model.layers.{i}."
     ours = ("layers", i)
 
@@ -87,14 +86,12 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
         return lambda w: w.T.reshape(e, h, d)
 
     entries = {
+        **(_moe_entries(cfg, i) if cfg.moe else _mlp_entries(cfg, i)),
         hf + "self_attn.q_proj.weight": (ours + ("attn", "q_proj"), heads_in(hq), (hq * d, e)),
         hf + "self_attn.k_proj.weight": (ours + ("attn", "k_proj"), heads_in(hkv), (hkv * d, e)),
         hf + "self_attn.v_proj.weight": (ours + ("attn", "v_proj"), heads_in(hkv), (hkv * d, e)),
         hf + "self_attn.o_proj.weight": (ours + ("attn", "o_proj"),
                                          lambda w: w.T.reshape(hq, d, e), (e, hq * d)),
-        hf + "mlp.gate_proj.weight": (ours + ("mlp", "gate_proj"), np.transpose, (m, e)),
-        hf + "mlp.up_proj.weight": (ours + ("mlp", "up_proj"), np.transpose, (m, e)),
-        hf + "mlp.down_proj.weight": (ours + ("mlp", "down_proj"), np.transpose, (e, m)),
         hf + "input_layernorm.weight": (ours + ("input_norm", "weight"), None, (e,)),
         hf + "post_attention_layernorm.weight": (ours + ("post_attention_norm", "weight"),
                                                  None, (e,)),
@@ -105,12 +102,48 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
                 ours + ("attn", f"{name}_bias"), lambda w, h=h: w.reshape(h, d), (h * d,))
     if cfg.o_bias:
         entries[hf + "self_attn.o_proj.bias"] = (ours + ("attn", "o_bias"), None, (e,))
-    if cfg.mlp_bias:
-        for name, size in (("gate", m), ("up", m), ("down", e)):
-            entries[hf + f"mlp.{name}_proj.bias"] = (ours + ("mlp", f"{name}_bias"), None, (size,))
     if cfg.qk_norm:
         entries[hf + "self_attn.q_norm.weight"] = (ours + ("attn", "q_norm", "weight"), None, (d,))
         entries[hf + "self_attn.k_norm.weight"] = (ours + ("attn", "k_norm", "weight"), None, (d,))
+    return entries
+
+
+def _mlp_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable, tuple]]:
+    """The dense MLP's tensors of layer i."""
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    hf, ours = f"model.layers.{i}.mlp.", ("layers", i, "mlp")
+    entries = {hf + "gate_proj.weight": (ours + ("gate_proj",), np.transpose, (m, e)),
+               hf + "up_proj.weight": (ours + ("up_proj",), np.transpose, (m, e)),
+               hf + "down_proj.weight": (ours + ("down_proj",), np.transpose, (e, m))}
+    if cfg.mlp_bias:
+        for name, size in (("gate", m), ("up", m), ("down", e)):
+            entries[hf + f"{name}_proj.bias"] = (ours + (f"{name}_bias",), None, (size,))
+    return entries
+
+
+# Mixture-of-experts checkpoints: (prefix, router, expert gate, up, down) per family.
+_MOE_NAMES = {"qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+              "mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2")}
+
+
+class ExpertSlot(tuple):
+    """The model path of a stacked expert weight and the expert a checkpoint tensor fills:
+    `(path, expert, num_experts)`. The loader gathers a weight's experts, then places it."""
+
+
+def _moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
+    """The router and every expert's tensors of layer i; an expert's tensor maps to its
+    slot of the stacked `[X, ...]` weight (`ExpertSlot`)."""
+    e, x, m = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
+    prefix, router, gate, up, down = _MOE_NAMES[cfg.model_type]
+    hf, ours = f"model.layers.{i}.{prefix}", ("layers", i, "mlp")
+    entries: dict[str, tuple] = {hf + f"{router}.weight": (ours + ("router",), np.transpose,
+                                                           (x, e))}
+    for j in range(x):
+        for name, ours_name, shape in ((gate, "gate_proj", (m, e)), (up, "up_proj", (m, e)),
+                                       (down, "down_proj", (e, m))):
+            entries[hf + f"experts.{j}.{name}.weight"] = (
+                ExpertSlot((ours + (ours_name,), j, x)), np.transpose, shape)
     return entries
 
 
@@ -347,6 +380,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
     scales = _scale_entries(cfg, expected) if cfg.quantization else {}
     files = safetensors_files(model_dir)
     seen: set[str] = set()
+    experts = _ExpertStacks()
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
               disable=not progress) as bar:
         for file in files:
@@ -367,20 +401,47 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                                      f"expected {hf_shape} from config.json")
                 if transform is not None:
                     array = transform(array)
+                if isinstance(path, ExpertSlot):
+                    path, array = experts.add(path, array)
+                    seen.add(name)
+                    bar.update(1)
+                    if array is None:
+                        continue
                 if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
                     array, scale = quantize_on_host(array, cfg.quantization.method,
                                                     CONTRACTED_AXES[path[-1]])
                     variables[scale_path(path)].set_value(place(scale, scale_path(path)))
                     seen.add(name + "_scale")
                 variables[path].set_value(place(array, path))
-                seen.add(name)
-                bar.update(1)
+                if name not in seen:
+                    seen.add(name)
+                    bar.update(1)
     missing = sorted(set(expected) - seen) + sorted(set(scales) - seen)
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         raise ValueError(f"model folder {str(model_dir)!r} is missing tensor(s) {shown}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
+
+
+class _ExpertStacks:
+    """Gathers each stacked expert weight on the host until all its experts have loaded."""
+
+    def __init__(self):
+        self.stacks: dict[tuple, np.ndarray] = {}
+        self.filled: dict[tuple, int] = {}
+
+    def add(self, slot: ExpertSlot, array: np.ndarray) -> tuple[tuple, np.ndarray | None]:
+        """(model path, the whole `[X, ...]` weight once its last expert arrived, else None)."""
+        path, expert, count = slot
+        if path not in self.stacks:
+            self.stacks[path] = np.empty((count, *array.shape), array.dtype)
+            self.filled[path] = 0
+        self.stacks[path][expert] = array
+        self.filled[path] += 1
+        if self.filled[path] < count:
+            return path, None
+        return path, self.stacks.pop(path)
 
 
 def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, Callable]]:

@@ -1,7 +1,7 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Supports the Llama family as `transformers` writes it: `model_type` llama, mistral, qwen2 and
-qwen3. Rope settings are read both from the top level (transformers 4.x: `rope_theta`,
+qwen3, and its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`). Rope settings are read both from the top level (transformers 4.x: `rope_theta`,
 `rope_scaling`) and from `rope_parameters` (transformers 5.x). Anything this runtime cannot
 run faithfully is a `ValueError` naming the setting: a silently wrong model is worse than none.
 """
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -73,6 +74,28 @@ class WeightQuantization:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (every layer's, in place of the dense MLP): a
+    router scores `num_experts` SwiGLU experts of width `intermediate_size` per token, the
+    softmax's `top_k` best run, weighted by their probabilities (renormalized to sum to 1
+    when `normalize_top_k`: always in Mixtral, `norm_topk_prob` in Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool = True
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of "
+                             f"experts ({self.num_experts})")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder, independent of where it was read from."""
 
@@ -97,6 +120,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # `torch_dtype`/`dtype` as saved, used by dtype="auto"
     quantization: WeightQuantization | None = None  # None: weights in the compute dtype
+    moe: MoEConfig | None = None  # None: dense MLPs
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -110,6 +134,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.moe is not None and self.quantization is not None:
+            raise ValueError("quantization of mixture-of-experts models (per-expert scales) is "
+                             "not supported yet; serve this model unquantized")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -221,11 +248,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     attention_bias = bool(hf.get("attention_bias", False))
     # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
     qkv_bias = True if model_type == "qwen2" else attention_bias
-    o_bias = attention_bias if model_type in ("llama", "qwen3") else False
+    o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
     sliding_window = None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         sliding_window = hf.get("sliding_window")
-    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
         raise ValueError("use_sliding_window=True (Qwen per-layer sliding window) is not supported")
     return ModelConfig(
         model_type=model_type,
@@ -243,13 +270,31 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=sliding_window,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         quantization=checkpoint_quantization(hf),
+        moe=_read_moe(hf) if model_type in MOE_MODEL_TYPES else None,
     )
+
+
+def _read_moe(hf: dict[str, Any]) -> MoEConfig:
+    """The experts of a qwen3_moe or mixtral config. Every layer must be sparse: Qwen3-MoE's
+    `decoder_sparse_step` > 1 or `mlp_only_layers` (dense layers among sparse ones) are
+    refused until layers of two kinds can share one scanned stack."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if hf.get("model_type") == "qwen3_moe":
+        if hf.get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers {hf['mlp_only_layers']} (dense layers among "
+                             "the sparse ones) is not supported yet")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"decoder_sparse_step {hf['decoder_sparse_step']} (dense layers "
+                             "among the sparse ones) is not supported yet; 1 is")
+        return MoEConfig(experts, hf.get("num_experts_per_tok"),
+                         hf.get("moe_intermediate_size"), bool(hf.get("norm_topk_prob")))
+    return MoEConfig(experts, hf.get("num_experts_per_tok"), hf.get("intermediate_size"))
 
 
 def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:

@@ -1,4 +1,5 @@
-"""Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3).
+"""Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3, and with
+`jaxserve.model.moe` in place of the MLP, Qwen3-MoE and Mixtral).
 
 The model knows nothing of KV-cache layout or devices. Attention is delegated to an
 `attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
                                          project, quantize, quantizes, scale_shape)
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
@@ -161,13 +163,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (or mixture of experts)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = SparseMoE(cfg, dtype, rngs) if cfg.moe else MLP(cfg, dtype, rngs)
 
     def __call__(self, layer_index, x, positions, attention, layer_cache):
         attn_out, layer_cache = self.attn(

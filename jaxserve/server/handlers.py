@@ -378,7 +378,7 @@ class ChatJob(Job):
                  parsing: ChatParsing = ChatParsing()):
         self.parsing = parsing
         self.tool_choice = body.tool_choice_checked
-        parsing.check(self.tool_choice)
+        parsing.check(self.tool_choice, getattr(served.tokenizer, "chat_template", None))
         self.replies: dict[int, ReplyParser] = {}  # choice index → its parser
         super().__init__(served, body, answer_as, request_id)
 

@@ -47,13 +47,23 @@ class ChatParsing:
             raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
 
-    def check(self, choice: ToolChoice | None) -> None:
-        """Refuse `tool_choice: "auto"` on a server that cannot parse calls (HTTP 400)."""
-        if choice is not None and choice.mode == "auto" and not self.enable_auto_tool_choice:
+    def check(self, choice: ToolChoice | None, chat_template: str | None) -> None:
+        """Refuse `tool_choice: "auto"` (HTTP 400 naming it) on a server that cannot parse
+        calls, or for a model whose chat template never writes the parser's format."""
+        if choice is None or choice.mode != "auto":
+            return
+        if not self.enable_auto_tool_choice:
             raise InvalidRequestError("tool_choice", '"auto" tool choice (the default when '
                                       "tools are given) needs a server started with "
                                       "--enable-auto-tool-choice and --tool-call-parser; "
                                       'send "required", a named function or "none"')
+        marker = TOOL_PARSERS[self.tool_call_parser].template_marker
+        if marker not in (chat_template or ""):
+            raise InvalidRequestError("tool_choice", f"this model's chat template never writes "
+                                      f"{self.tool_call_parser} tool calls (it has no "
+                                      f"{marker!r}), so \"auto\" would find none; send "
+                                      '"required" or a named function, which work with any '
+                                      "model")
 
     def keeps_special_tokens(self, choice: ToolChoice | None) -> bool:
         """Whether the reply's text must keep special tokens (the parser's markers are)."""

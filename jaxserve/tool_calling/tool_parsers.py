@@ -52,6 +52,9 @@ class ToolParser(TextParser):
     """Incremental parser of one reply; `tools` are the request's (OpenAI's shape)."""
 
     name: ClassVar[str]
+    # Text every chat template that teaches this format contains (a model whose template
+    # lacks it was never shown how to write these calls).
+    template_marker: ClassVar[str]
     # The format's markers are special tokens, so the reply is detokenized with them kept.
     keeps_special_tokens: ClassVar[bool] = False
 
@@ -96,6 +99,7 @@ class TaggedCallParser(ToolParser):
 
 class HermesParser(TaggedCallParser):
     name = "hermes"
+    template_marker = "<tool_call>"
     start, end = "<tool_call>", "</tool_call>"
 
     def parse_body(self, body):
@@ -107,6 +111,7 @@ class HermesParser(TaggedCallParser):
 
 class Qwen3CoderParser(TaggedCallParser):
     name = "qwen3_coder"
+    template_marker = "<function="
     start, end = "<tool_call>", "</tool_call>"
     _function = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
@@ -141,6 +146,7 @@ def typed_value(text: str, kind: Any) -> Any:
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    template_marker = '"parameters"'
     tag = "<|python_tag|>"
 
     def __init__(self, tools=None):
@@ -184,6 +190,7 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    template_marker = "[TOOL_CALLS]"
     keeps_special_tokens = True
     marker = "[TOOL_CALLS]"
     _call_name = re.compile(r"[A-Za-z0-9_.\-]+")

@@ -1,6 +1,7 @@
-"""Tool calling and reasoning over HTTP with the `openai` client, on the shipped model
-(`jaxserve.tool_calling`), served with `--enable-auto-tool-choice --tool-call-parser hermes
---reasoning-parser qwen3`.
+"""Tool calling and reasoning over HTTP with the `openai` client, on the shipped model's
+weights with a chat template that writes hermes calls (`TOOLS_CHAT_TEMPLATE`: the shipped
+template has no tools), served with `--enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser qwen3` (`jaxserve.tool_calling`).
 
 References: `jsonschema` for the arguments of required and named choices (the shipped model
 knows nothing of tools: only the grammar makes them valid); for "auto", the tool-call text
@@ -10,6 +11,7 @@ the unstreamed reply for the streamed one.
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -20,6 +22,7 @@ import pytest
 from jaxserve.server.state import ServerOptions
 from jaxserve.tool_calling import ChatParsing
 from server_helpers import serving
+from tiny_models import TOOLS_CHAT_TEMPLATE
 
 MODEL = Path(__file__).resolve().parents[2] / "jaxserve" / "default_model"
 NAME = "austen"
@@ -38,8 +41,20 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def server():
-    options = ServerOptions(model=str(MODEL), served_model_name=[NAME],
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("austen_tools")
+    for path in MODEL.iterdir():
+        if path.is_file():
+            shutil.copy(path, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    options = ServerOptions(model=str(folder), served_model_name=[NAME],
                             engine_options={"strict_compile": True},
                             chat_parsing=ChatParsing("hermes", True, "qwen3"))
     with serving(options) as running:

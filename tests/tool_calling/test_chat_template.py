@@ -1,6 +1,6 @@
 """Tools and tool-call history rendered by a model's chat template, against transformers'
 `apply_chat_template` (the reference) on a Qwen2.5-style template that prints tools,
-assistant calls and tool results, and reads Qwen3's `enable_thinking`."""
+assistant calls and tool results, and reads Qwen3's `enable_thinking` (TOOLS_CHAT_TEMPLATE)."""
 
 import json
 
@@ -9,44 +9,9 @@ import transformers
 
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.server.protocol import ChatMessage
-from tiny_models import build_tokenizer
+from tiny_models import TOOLS_CHAT_TEMPLATE, build_tokenizer
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
-
-TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You help.{% endif %}
-
-# Tools
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" %}<|im_start|>assistant
-{%- if message.content %}
-{{ message.content }}{% endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% elif not (message.role == "system" and tools) %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Forecast for a city",
@@ -60,7 +25,7 @@ def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen_like")
     build_tokenizer(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config.update(chat_template=TEMPLATE, eos_token="</s>")
+    config.update(chat_template=TOOLS_CHAT_TEMPLATE, eos_token="</s>")
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 

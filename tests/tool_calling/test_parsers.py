@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.tool_calling import ChatParsing
 from jaxserve.tool_calling.events import ArgumentsPiece, CallStart, Content, Reasoning, merged
 from jaxserve.tool_calling.reasoning import REASONING_PARSERS
 from jaxserve.tool_calling.tool_choice import ConstrainedCalls, check_tool_choice
@@ -224,3 +225,19 @@ def test_bad_tools_and_choices_name_the_field(tools, choice, field):
     with pytest.raises(ValueError) as err:
         check_tool_choice(tools, choice, None)
     assert err.value.field == field
+
+
+def test_auto_needs_a_parser_and_a_template_that_writes_its_format():
+    choice = check_tool_choice(TOOLS, None, None)
+    assert choice.mode == "auto"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice") as err:
+        ChatParsing().check(choice, "<tool_call>")
+    assert err.value.field == "tool_choice"
+    hermes = ChatParsing("hermes", True)
+    with pytest.raises(ValueError, match="never writes hermes") as err:
+        hermes.check(choice, "{{ messages }}")
+    assert err.value.field == "tool_choice"
+    hermes.check(choice, "... <tool_call> ...")
+    hermes.check(check_tool_choice(TOOLS, "required", None), "{{ messages }}")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ChatParsing(None, True)

@@ -1,0 +1,80 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks `top_k` of
+`num_experts` SwiGLU experts per token, and each token's output is their weighted sum.
+
+Dropless and grouped: the (token, expert) pairs are sorted by expert, so each expert's rows
+are contiguous, and each projection is one `jax.lax.ragged_dot` over all experts (`[R, in]`
+rows against `[X, in, out]` weights, `group_sizes[X]` rows per expert). No capacity factor:
+no token is ever dropped, however unevenly the router spreads them, and every shape depends
+only on the token bucket, so nothing compiles after warm-up. `ragged_dot` is XLA's own
+grouped matmul on every platform; a Pallas grouped matmul (megablox `gmm`) is the lever if
+it measures faster on TPU.
+
+Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
+expert axis: with the default rules experts are tensor-parallel (each device holds a slice
+of every expert's "mlp" width) and the router is replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.config import ModelConfig
+
+
+def route(router_logits: jax.Array, top_k: int, normalize: bool
+          ) -> tuple[jax.Array, jax.Array]:
+    """(weights `[T, K]` float32, experts `[T, K]` int32) of each token's `top_k` experts:
+    the softmax of the router's logits `[T, X]` (in float32), its `top_k` largest (ties to
+    the lower expert id, as `torch.topk` breaks them), renormalized to sum to 1 when
+    `normalize`."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, X]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, K] each
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_by_expert(experts: jax.Array, num_experts: int
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sort the `T * K` (token, expert) pairs of `experts` `[T, K]` by expert: (order `[T*K]`,
+    the pair index at each sorted row; group_sizes `[X]` int32, rows per expert; token
+    `[T*K]`, each sorted row's token)."""
+    flat = experts.reshape(-1)  # [T*K]
+    order = jnp.argsort(flat, stable=True)  # [T*K]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [X]
+    return order, group_sizes, order // experts.shape[-1]
+
+
+class SparseMoE(nnx.Module):
+    """Router `[E, X]` and experts' gate/up `[X, E, I]`, down `[X, I, E]`."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        moe, e = cfg.moe, cfg.hidden_size
+        x, i = moe.num_experts, moe.intermediate_size
+
+        def param(shape, axes):
+            value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+            return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+        self.router = param((e, x), ("embed", "experts"))
+        self.gate_proj = param((x, e, i), ("experts", "embed", "mlp"))
+        self.up_proj = param((x, e, i), ("experts", "embed", "mlp"))
+        self.down_proj = param((x, i, e), ("experts", "mlp", "embed"))
+        self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """hidden `[..., E]` → `[..., E]`."""
+        x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
+        weights, experts = route(x @ self.router[...], self.top_k, self.normalize)  # [T, K]
+        order, group_sizes, token = grouped_by_expert(experts, self.gate_proj.shape[0])
+        rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
+        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], group_sizes)  # [T*K, I]
+        up = jax.lax.ragged_dot(rows, self.up_proj[...], group_sizes)  # [T*K, I]
+        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...],
+                                 group_sizes)  # [T*K, E]
+        per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
+        per_pair = per_pair.reshape(*experts.shape, -1)  # [T, K, E]
+        mixed = jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]
+        return mixed.reshape(hidden.shape)

@@ -1,0 +1,128 @@
+"""Mixture of experts (`jaxserve.model.moe`): the router against a numpy transcription of
+Qwen3-MoE's and Mixtral's (softmax, top-k with ties to the lower id, optional
+renormalization); the grouped layer against a per-token numpy loop, with every token on one
+expert and experts that get none; Qwen3-MoE on stacked layers over tp=4 against
+transformers' greedy tokens (one device: tests/model/test_hf_parity.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf
+from jaxserve.model.moe import SparseMoE, route
+from tiny_models import SMALL_ENGINE, build_model, is_router
+
+
+def numpy_route(logits: np.ndarray, top_k: int, normalize: bool):
+    """transformers' router: float32 softmax, torch.topk (ties: lower id), renormalized."""
+    z = logits.astype(np.float32) - logits.max(-1, keepdims=True)
+    probs = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, experts, -1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("normalize", [False, True])
+def test_router_matches_numpy_with_ties(normalize):
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=(64, 8)), 1).astype(np.float32)  # many exact ties
+    logits[:4] = 0.0  # every expert tied: experts 0..k-1
+    weights, experts = route(jnp.asarray(logits), 3, normalize)
+    want_weights, want_experts = numpy_route(logits, 3, normalize)
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
+
+
+def per_token_reference(layer: SparseMoE, x: np.ndarray) -> np.ndarray:
+    """The layer by a loop over tokens and their experts, in numpy."""
+    router = np.asarray(layer.router[...])
+    gate, up, down = (np.asarray(w[...]) for w in (layer.gate_proj, layer.up_proj,
+                                                   layer.down_proj))
+    weights, experts = numpy_route(x @ router, layer.top_k, layer.normalize)
+    out = np.zeros_like(x)
+    for t in range(len(x)):
+        for w, j in zip(weights[t], experts[t]):
+            g, u = x[t] @ gate[j], x[t] @ up[j]
+            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[j])
+    return out
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", ["random", "one_expert_for_all"])
+def test_grouped_experts_match_a_per_token_loop(case):
+    cfg = ModelConfig("qwen3_moe", vocab_size=16, hidden_size=24, intermediate_size=8,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=40))
+    layer = SparseMoE(cfg, jnp.float32, nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    for w in (layer.gate_proj, layer.up_proj, layer.down_proj):
+        w.set_value(jnp.asarray(rng.normal(size=w.shape) * 0.3, jnp.float32))
+    x = rng.normal(size=(37, 24)).astype(np.float32)
+    if case == "random":
+        layer.router.set_value(jnp.asarray(rng.normal(size=(24, 6)), jnp.float32))
+    else:  # expert 4 scores 50 x0 > 0, the rest 0: every token picks 4, then 0 (the tie)
+        x[:, 0] = np.abs(x[:, 0]) + 0.1
+        router = np.zeros((24, 6), np.float32)
+        router[0, 4] = 50.0
+        layer.router.set_value(jnp.asarray(router))
+    ours = np.asarray(jax.jit(lambda v: layer(v))(jnp.asarray(x)))
+    np.testing.assert_allclose(ours, per_token_reference(layer, x), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.quick
+def test_unsupported_moe_settings_name_the_field():
+    base = dict(model_type="qwen3_moe", vocab_size=16, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=2, num_attention_heads=2, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        config_from_hf({**base, "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        config_from_hf({**base, "decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        config_from_hf({**base, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="quantization"):
+        config_from_hf({**base, "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}})
+    assert config_from_hf(base).moe == MoEConfig(4, 2, 8, normalize_top_k=False)
+
+
+PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31)), [0] + list(range(100, 140, 3))]
+
+
+def greedy(hf_model, prompt, n):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_stacked_experts_over_tp4_match_transformers(tmp_path):
+    """`scan_layers` (the TPU/GPU layout: stacked experts `[L, X, ...]`, the Pallas kernels
+    in interpret mode) over tensor parallelism 4: each device holds a quarter of every
+    expert. The routers decide the tokens: with them zeroed, transformers' own tokens
+    change."""
+    hf_model = build_model("qwen3_moe", tmp_path, head_dim=64, num_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
+              tensor_parallel_size=4, **SMALL_ENGINE)
+    gate = llm.model.layers.mlp.gate_proj.get_value()  # [L, X, E, I]
+    assert gate.shape[:2] == (2, 6) and tuple(gate.sharding.spec)[-1] == "model"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    expected = [greedy(hf_model, p, 12) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if is_router(name):
+                param.zero_()
+    assert [greedy(hf_model, p, 12) for p in PROMPTS] != expected
