@@ -1,9 +1,10 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Supports the Llama family as `transformers` writes it: `model_type` llama, mistral, qwen2 and
-qwen3, and its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`). Rope settings are read both from the top level (transformers 4.x: `rope_theta`,
-`rope_scaling`) and from `rope_parameters` (transformers 5.x). Anything this runtime cannot
-run faithfully is a `ValueError` naming the setting: a silently wrong model is worse than none.
+qwen3, and its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`). Rope
+settings are read both from the top level (transformers 4.x: `rope_theta`, `rope_scaling`)
+and from `rope_parameters` (transformers 5.x). Anything this runtime cannot run faithfully is
+a `ValueError` naming the setting: a silently wrong model is worse than none.
 """
 
 from __future__ import annotations
