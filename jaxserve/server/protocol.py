@@ -222,7 +222,7 @@ class ChatCompletionRequest(SamplingFields):
         """Each tool's parameters as a JSON-schema constraint, named by its field: compiling
         them checks that they are schemas the structured-output engine can enforce."""
         choice = self.tool_choice_checked
-        return [(f"tools[{i}].function.parameters",
+        return [(f"tools.{i}.function.parameters",
                  StructuredOutputsParams(json=tool["function"]["parameters"]))
                 for i, tool in enumerate(choice.tools if choice else ())]
 

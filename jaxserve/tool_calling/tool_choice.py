@@ -63,7 +63,7 @@ class ToolChoice:
 def check_tool_choice(tools: list[Any] | None, tool_choice: Any,
                       parallel_tool_calls: bool | None) -> ToolChoice | None:
     """The request's ToolChoice (None without tools and with no choice, or with "none" and
-    no tools); InvalidRequestError naming `tools[i]...` or `tool_choice` when malformed."""
+    no tools); InvalidRequestError naming `tools.<i>...` or `tool_choice` when malformed."""
     checked = [_checked_tool(tool, i) for i, tool in enumerate(tools or ())]
     if tools is not None and not checked:
         raise InvalidRequestError("tools", "tools must list at least one function")
@@ -103,7 +103,7 @@ def _named_function(choice: Any) -> str:
 def _checked_tool(tool: Any, i: int) -> dict:
     """One entry of `tools`, its parameters schema filled in (an object with no properties
     when absent) and checked to be a JSON schema of an object."""
-    where = f"tools[{i}]"
+    where = f"tools.{i}"
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise InvalidRequestError(f"{where}.type", "each tool must be {'type': 'function', "
                                   "'function': {...}}")

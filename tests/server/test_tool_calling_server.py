@@ -47,7 +47,9 @@ def folder(tmp_path_factory):
         if path.is_file():
             shutil.copy(path, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOLS_CHAT_TEMPLATE
+    # tools by name only: their JSON would fill most of the shipped model's 512 positions
+    config["chat_template"] = TOOLS_CHAT_TEMPLATE.replace("{{ tool | tojson }}",
+                                                          "{{ tool.function.name }}")
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -174,7 +176,7 @@ def test_history_with_calls_and_tool_results_is_accepted(client):
      "tool_choice.function.name"),
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
-     "tools[0].function.parameters"),
+     "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -214,12 +214,12 @@ def test_required_schema_is_a_json_schema_of_the_calls():
     (TOOLS, {"type": "function"}, "tool_choice"),
     (None, "required", "tool_choice"),
     ([], None, "tools"),
-    ([{"type": "retrieval"}], None, "tools[0].type"),
-    ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+    ([{"type": "retrieval"}], None, "tools.0.type"),
+    ([{"type": "function", "function": {"name": "has space"}}], None, "tools.0.function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None,
-     "tools[0].function.parameters.type"),
+     "tools.0.function.parameters.type"),
     ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None,
-     "tools[0].function.parameters"),
+     "tools.0.function.parameters"),
 ])
 def test_bad_tools_and_choices_name_the_field(tools, choice, field):
     with pytest.raises(ValueError) as err:
