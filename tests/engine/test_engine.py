@@ -206,9 +206,11 @@ def test_eos_ends_a_request_with_stop(model, folder):
     assert out.finish_reason == "stop"
 
 
+@pytest.mark.slow  # the main suite runs the kernels in the engine on stacked layers, the
+# TPU/GPU layout (tests/model/test_hf_parity.py, tests/model/test_moe.py)
 def test_pallas_kernel_backend_equals_reference_backend(tmp_path):
     """The engine with the Pallas kernels (interpret mode on CPU) gives the reference's
-    tokens. head_dim 64 because the kernels take 64/128/256."""
+    tokens on the layer loop. head_dim 64 because the kernels take 64/128/256."""
     build_model("llama_tied_headdim_rope3", tmp_path, head_dim=64)
     model = load_weights(tmp_path, load_config(tmp_path), progress=False)
     prompts = [[0, 3, 4], list(range(2, 30))]

@@ -20,6 +20,7 @@ from jaxserve.engine.kv_cache import page_bytes
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import load_config
 from jaxserve.model.dense_generation import DenseGenerator
+from sweeps import sweep
 from tiny_models import SMALL_ENGINE
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]
@@ -122,12 +123,14 @@ def calibrated_scales(model, prompt):
     return [found[i] for i in range(len(model.layers))]
 
 
-@pytest.mark.parametrize("scan_layers,tp", [(False, 1), (True, 1), (False, 2)])
+@pytest.mark.parametrize("scan_layers,tp", sweep([(False, 1), (True, 1), (False, 2)],
+                                                 keep={0, 1}))
 def test_calibrated_fp8_scales_come_from_the_first_prompt(folder, scan_layers, tp):
     """calculate_kv_scales: each layer's scales are the first prompt's K/V absmax per kv
     head (numpy, from the dense model) x 2 / 448; later prompts keep them, and greedy tokens
     equal the dense model's reading K/V quantized in numpy with those scales. With stacked
-    layers and with the heads split over 2 devices too."""
+    layers, and with the heads split over 2 devices (slow step; tensor-parallel int8 pages
+    are in the main suite)."""
     model = load_weights(folder, load_config(folder), jnp.float32, progress=False)
     first, rest = PROMPTS[2], PROMPTS[:2]
     with jax.default_device(jax.devices("cpu")[0]):

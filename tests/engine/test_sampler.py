@@ -156,9 +156,10 @@ def test_grammar_masks_restrict_sampling_to_allowed_tokens():
                                   .nonzero()[1][:3], [5, 40, 69])
     counts = TokenCounts(jax.numpy.zeros((3, vocab), jax.numpy.int32),
                          jax.numpy.zeros((3, vocab), bool))
+    sample = jax.jit(sample_with_logprobs)  # one compile, not 20 eager passes of every op
     for position in range(20):
-        result = sample_with_logprobs(logits, arrays, jax.numpy.full((3,), position), counts,
-                                      jax.numpy.asarray(allowed))
+        result = sample(logits, arrays, jax.numpy.full((3,), position), counts,
+                        jax.numpy.asarray(allowed))
         tokens = np.asarray(result.tokens)
         raw = np.asarray(logits)
         assert tokens[0] == max(allowed_sets[0], key=lambda t: raw[0, t])
