@@ -10,6 +10,8 @@ TTFT, TPOT (per request, excluding the first token; unstreamed, where the first 
 with the last, the whole request's time per output token), ITL (between streamed chunks) and
 end-to-end latency as mean/p50/p90/p99, and goodput: requests per second meeting every SLO
 given (`--slo-ttft`, `--slo-tpot`, `--slo-e2e` in ms, or vLLM's `--goodput ttft:MS tpot:MS`).
+A server that speculates also gets its acceptance rate over the run: accepted over proposed
+draft tokens, from its `vllm:spec_decode_*` counters on `/metrics` before and after.
 
 Several `--request-rate` and/or `--max-concurrency` values sweep every pair of them, one run
 per point with the same seeded prompts and arrival pattern (the Poisson gaps scaled to each
@@ -33,6 +35,7 @@ import time
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.bench import serve_sweep
 
@@ -174,11 +177,42 @@ async def run_sweep(args: argparse.Namespace, points: list[tuple[float, int]],
                        "stream": args.stream}
                       | ({"stream_options": {"include_usage": True}} if args.stream else {})
                       for prompt in prompts]
+            before = await spec_decode_counts(client, headers)
             results, duration = await _load(client, bodies, gaps / rate, concurrency,
                                              headers, args.timeout)
             summary = summarize(results, duration, slos)
+            summary["spec_acceptance_rate"] = acceptance_rate(
+                before, await spec_decode_counts(client, headers))
             summaries.append({"request_rate": rate, "max_concurrency": concurrency, **summary})
     return summaries
+
+
+async def spec_decode_counts(client: httpx.AsyncClient, headers: dict
+                             ) -> tuple[float, float] | None:
+    """(draft tokens, accepted tokens) from the server's `/metrics` (vLLM's
+    `vllm:spec_decode_*` counters, summed over models); None when it has no such counters
+    (no speculation, or a server without `/metrics`)."""
+    response = await client.get("/metrics", headers=headers)
+    if response.status_code != 200:
+        return None
+    totals = {"vllm:spec_decode_num_draft_tokens": 0.0,
+              "vllm:spec_decode_num_accepted_tokens": 0.0}
+    found = False
+    for family in text_string_to_metric_families(response.text):
+        if family.name in totals:
+            found = True
+            totals[family.name] += sum(sample.value for sample in family.samples
+                                       if sample.name.endswith("_total"))
+    return tuple(totals.values()) if found else None
+
+
+def acceptance_rate(before: tuple[float, float] | None,
+                    after: tuple[float, float] | None) -> float | None:
+    """Accepted over proposed draft tokens between two `spec_decode_counts` (None when the
+    server does not speculate or proposed nothing)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
 
 
 async def _load(client: httpx.AsyncClient, bodies: list[dict], gaps: np.ndarray,
@@ -257,6 +291,8 @@ def format_table(summary: dict, slos: dict[str, float]) -> str:
              f"{'output tokens/s':<28}{summary['output_token_throughput']:.1f}",
              f"{'total tokens/s':<28}{summary['total_token_throughput']:.1f}",
              f"{'goodput (requests/s)':<28}{summary['goodput']:.2f}  SLOs {slos}",
+             *([f"{'spec acceptance rate':<28}{summary['spec_acceptance_rate']:.1%}"]
+               if summary.get("spec_acceptance_rate") is not None else []),
              f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = summary[f"{name}_s"]

@@ -2,6 +2,7 @@
 completions give the text the engine gives without speculation, `/metrics` counts drafts under
 vLLM's names, and a bad config is refused at start-up naming the key."""
 
+import asyncio
 import json
 
 import httpx
@@ -9,6 +10,7 @@ import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.serve_bench import run_benchmark
 from jaxserve.cli.main import build_parser, flag_options
 from jaxserve.server.state import ServerOptions
 from server_helpers import serving
@@ -36,9 +38,21 @@ def test_completions_stream_and_metrics(folder):
                            if chunk.choices)
         assert streamed == want.text
         metrics = httpx.get(f"{server.url}/metrics").text
+        counters = server.state.engine.engine.metrics.snapshot()["counters"]
+        args = build_parser().parse_args([
+            "bench", "serve", "--url", server.url, "--num-prompts", "6", "--input-len", "12",
+            "--output-len", "10", "--prompt-token-range", "2", "40"])
+        args.request_rate, args.max_concurrency = args.request_rate[0], args.max_concurrency[0]
+        summary = asyncio.run(run_benchmark(args))
+        after = server.state.engine.engine.metrics.snapshot()["counters"]
     drafts = [line for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_draft_tokens_total{")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+    # bench serve's acceptance rate: the engine's own counters over the run
+    proposed, accepted = (after[k] - counters[k] for k in (
+        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    assert proposed > 0 and summary["spec_acceptance_rate"] == pytest.approx(
+        accepted / proposed)
 
 
 def test_a_bad_config_names_the_key(folder):
