@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import sharding
+from jaxserve.model.moe import ragged_expert_ffn
 from pallas_kernels import kv_quant
 
 
@@ -67,6 +68,11 @@ class AttentionBackend:
         new layer cache)."""
         raise NotImplementedError
 
+    def expert_ffn(self, rows, group_sizes, gate, up, down) -> jax.Array:
+        """A mixture-of-experts layer's grouped SwiGLU (`jaxserve.model.moe.ExpertFFN`):
+        `ragged_dot`, partitioned by XLA, unless a backend has better for its platform."""
+        return ragged_expert_ffn(rows, group_sizes, gate, up, down)
+
     # ---- common ---------------------------------------------------------------------------
     def for_step(self, batch: PagedBatch) -> "PagedAttention":
         return PagedAttention(batch, self.step_metadata(batch), self)
@@ -95,6 +101,10 @@ class PagedAttention:
         if kv_quant.has_head_scales(layer_cache[0].dtype):
             return self._head_scaled(layer_index, q, k, v, layer_cache)
         return self._attend(layer_index, q, k, v, layer_cache)
+
+    def expert_ffn(self, rows, group_sizes, gate, up, down) -> jax.Array:
+        """The backend's grouped SwiGLU for mixture-of-experts layers."""
+        return self.backend.expert_ffn(rows, group_sizes, gate, up, down)
 
     def _attend(self, layer_index, q, k, v, layer_cache):
         backend = self.backend
@@ -125,3 +135,34 @@ class PagedAttention:
             k_scale = k_scales.at[layer_index].set(k_scale)
             v_scale = v_scales.at[layer_index].set(v_scale)
         return out, (k_pages, v_pages, k_scale, v_scale)
+
+
+def expert_ffn_per_device(matmul, mesh: Mesh | None):
+    """An `ExpertFFN` running `matmul(lhs [M, K], rhs [G, K, N], group_sizes [G])` (a grouped
+    matmul kernel) on each device of `mesh`: rows replicated, each device's slice of every
+    expert's width (the "mlp" axis, as the sharding rules split it), the down projection's
+    partial sums added over the "model" axis."""
+
+    def local(rows, group_sizes, gate, up, down):
+        h = jax.nn.silu(matmul(rows, gate, group_sizes)) * matmul(rows, up, group_sizes)
+        return matmul(h, down, group_sizes)  # [R, E] (partial over "model" when split)
+
+    if mesh is None:
+        return local
+
+    def on_mesh(rows, group_sizes, gate, up, down):
+        spec = sharding.partition_spec(("experts", "embed", "mlp"), gate.shape, mesh)
+        split = spec[2] is not None
+        down_spec = jax.sharding.PartitionSpec(None, spec[2], None)
+        replicated = jax.sharding.PartitionSpec()
+
+        def body(*args):
+            out = local(*args)
+            return jax.lax.psum(out, spec[2]) if split else out
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(replicated, replicated, spec, spec,
+                                                        down_spec),
+                             out_specs=replicated, check_vma=False)(
+            rows, group_sizes, gate, up, down)
+
+    return on_mesh

@@ -6,16 +6,21 @@ one-token rows to the decode kernel. The kernels read the pages in place, so the
 carries nothing but the cache and stacked layers need only the page offsets. Quantized
 pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels.
 The pages' rows may hold several tokens (TPU, `kv_quant.tokens_per_row`), so the write and
-the kernels are told the page size."""
+the kernels are told the page size. Mixture-of-experts layers get TPU's grouped matmul
+(`expert_ffn`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
+import jax
+
 import pallas_kernels
+from jaxserve.attention.backend import AttentionBackend, expert_ffn_per_device
 from pallas_kernels import kv_quant
-from jaxserve.attention.backend import AttentionBackend
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,3 +41,11 @@ class PallasBackend(AttentionBackend):
                 q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
                 batch.num_seqs, sliding_window=self.sliding_window, **scaled)  # [T, Hq, D]
         return out, layer_cache
+
+    def expert_ffn(self, rows, group_sizes, gate, up, down):
+        """On TPU, megablox `gmm` on each device (`pallas_kernels.grouped_matmul`); elsewhere
+        XLA's `ragged_dot` (GPU has no grouped-matmul kernel here yet)."""
+        on_tpu = expert_ffn_per_device(
+            functools.partial(grouped_matmul, interpret=False), self.mesh)
+        return jax.lax.platform_dependent(rows, group_sizes, gate, up, down, tpu=on_tpu,
+                                          default=super().expert_ffn)

@@ -175,8 +175,10 @@ class DecoderLayer(nnx.Module):
         attn_out, layer_cache = self.attn(
             layer_index, self.input_norm(x), positions, attention, layer_cache)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x))
-        return x, layer_cache
+        hidden = self.post_attention_norm(x)
+        if isinstance(self.mlp, SparseMoE):  # the backend's grouped matmuls, if it has some
+            return x + self.mlp(hidden, getattr(attention, "expert_ffn", None)), layer_cache
+        return x + self.mlp(hidden), layer_cache
 
 
 def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:

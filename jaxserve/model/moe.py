@@ -2,12 +2,15 @@
 `num_experts` SwiGLU experts per token, and each token's output is their weighted sum.
 
 Dropless and grouped: the (token, expert) pairs are sorted by expert, so each expert's rows
-are contiguous, and each projection is one `jax.lax.ragged_dot` over all experts (`[R, in]`
-rows against `[X, in, out]` weights, `group_sizes[X]` rows per expert). No capacity factor:
-no token is ever dropped, however unevenly the router spreads them, and every shape depends
-only on the token bucket, so nothing compiles after warm-up. `ragged_dot` is XLA's own
-grouped matmul on every platform; a Pallas grouped matmul (megablox `gmm`) is the lever if
-it measures faster on TPU.
+are contiguous, and the experts' SwiGLU runs as grouped matmuls over all experts at once
+(`[R, in]` rows against `[X, in, out]` weights, `group_sizes[X]` rows per expert). No
+capacity factor: no token is ever dropped, however unevenly the router spreads them, and
+every shape depends only on the token bucket, so nothing compiles after warm-up.
+
+The grouped part is an `ExpertFFN` the attention backend may supply (it knows the platform
+and the mesh, as for attention): `ragged_expert_ffn`, XLA's `jax.lax.ragged_dot`, by
+default; the Pallas backend's on TPU is megablox `gmm` per device (`pallas_kernels.
+grouped_matmul`).
 
 Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
 expert axis: with the default rules experts are tensor-parallel (each device holds a slice
@@ -15,6 +18,8 @@ of every expert's "mlp" width) and the router is replicated.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +39,19 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+# expert_ffn(rows [R, E], group_sizes [X], gate [X, E, I], up [X, E, I], down [X, I, E])
+#   -> [R, E]: each group of rows through its expert's SwiGLU
+ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def ragged_expert_ffn(rows, group_sizes, gate, up, down) -> jax.Array:
+    """The experts' SwiGLU with `jax.lax.ragged_dot` (any platform, any sharding: XLA
+    partitions it)."""
+    h = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes))
+         * jax.lax.ragged_dot(rows, up, group_sizes))  # [R, I]
+    return jax.lax.ragged_dot(h, down, group_sizes)  # [R, E]
 
 
 def grouped_by_expert(experts: jax.Array, num_experts: int
@@ -64,16 +82,15 @@ class SparseMoE(nnx.Module):
         self.down_proj = param((x, i, e), ("experts", "mlp", "embed"))
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
 
-    def __call__(self, hidden: jax.Array) -> jax.Array:
-        """hidden `[..., E]` → `[..., E]`."""
+    def __call__(self, hidden: jax.Array, expert_ffn: ExpertFFN | None = None) -> jax.Array:
+        """hidden `[..., E]` → `[..., E]`; `expert_ffn`: the backend's, else ragged_dot's."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         weights, experts = route(x @ self.router[...], self.top_k, self.normalize)  # [T, K]
         order, group_sizes, token = grouped_by_expert(experts, self.gate_proj.shape[0])
         rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], group_sizes)  # [T*K, I]
-        up = jax.lax.ragged_dot(rows, self.up_proj[...], group_sizes)  # [T*K, I]
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...],
-                                 group_sizes)  # [T*K, E]
+        out = (expert_ffn or ragged_expert_ffn)(
+            rows, group_sizes, self.gate_proj[...], self.up_proj[...],
+            self.down_proj[...])  # [T*K, E]
         per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
         per_pair = per_pair.reshape(*experts.shape, -1)  # [T, K, E]
         mixed = jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]

@@ -16,6 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve import LLM
 from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.engine.cache_audit import PagePools, audit
+from sweeps import sweep
+from tiny_models import SMALL_ENGINE
 
 NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM = 300, 16, 4, 64
 
@@ -58,8 +60,13 @@ def test_the_guard_finds_a_write_computed_on_copies_of_the_pool(view_inside_bran
         assert "copy instruction" in found.problem()
 
 
-def test_every_program_of_the_default_engine_updates_the_cache_in_place():
-    llm = LLM(str(DEFAULT_MODEL_DIR), progress=False)
+@pytest.mark.parametrize("engine", sweep(["tiny", "shipped_default"], keep={0}))
+def test_every_program_of_an_engine_updates_the_cache_in_place(engine, folder):
+    """Every step and decode program of the tests' usual tiny engine (main suite: the
+    programs most tests share), and of the shipped model's default engine (slow step: its
+    whole ladder of programs)."""
+    llm = (LLM(str(folder), dtype="float32", progress=False, **SMALL_ENGINE)
+           if engine == "tiny" else LLM(str(DEFAULT_MODEL_DIR), progress=False))
     runner = llm.engine.runner
     assert {kind for kind, _, _ in runner.bucket_programs()} == {"step", "decode"}
     audits = runner.cache_audits()
