@@ -14,6 +14,7 @@ The decode loop calls `for_step` once per loop step, with one token per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import sharding
-from jaxserve.model.moe import ragged_expert_ffn
+from jaxserve.model.moe import grouped_swiglu, ragged_expert_ffn
 from pallas_kernels import kv_quant
 
 
@@ -143,9 +144,7 @@ def expert_ffn_per_device(matmul, mesh: Mesh | None):
     expert's width (the "mlp" axis, as the sharding rules split it), the down projection's
     partial sums added over the "model" axis."""
 
-    def local(rows, group_sizes, gate, up, down):
-        h = jax.nn.silu(matmul(rows, gate, group_sizes)) * matmul(rows, up, group_sizes)
-        return matmul(h, down, group_sizes)  # [R, E] (partial over "model" when split)
+    local = functools.partial(grouped_swiglu, matmul)  # [R, E], partial when "mlp" is split
 
     if mesh is None:
         return local

@@ -74,6 +74,14 @@ class WeightQuantization:
         return name not in self.skip
 
 
+def _check_positive(config, names: tuple[str, ...]) -> None:
+    """`ValueError` naming the first of `config`'s fields `names` that is no positive int."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """A mixture-of-experts feed-forward (every layer's, in place of the dense MLP): a
@@ -87,10 +95,7 @@ class MoEConfig:
     normalize_top_k: bool = True
 
     def __post_init__(self):
-        for name in ("num_experts", "top_k", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        _check_positive(self, ("num_experts", "top_k", "intermediate_size"))
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of "
                              f"experts ({self.num_experts})")
@@ -124,11 +129,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: dense MLPs
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                               "num_heads", "num_kv_heads", "head_dim"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "

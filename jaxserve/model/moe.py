@@ -46,12 +46,18 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def grouped_swiglu(matmul, rows, group_sizes, gate, up, down) -> jax.Array:
+    """The experts' SwiGLU with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
+    group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature)."""
+    h = (jax.nn.silu(matmul(rows, gate, group_sizes))
+         * matmul(rows, up, group_sizes))  # [R, I]
+    return matmul(h, down, group_sizes)  # [R, E]
+
+
 def ragged_expert_ffn(rows, group_sizes, gate, up, down) -> jax.Array:
     """The experts' SwiGLU with `jax.lax.ragged_dot` (any platform, any sharding: XLA
     partitions it)."""
-    h = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes))
-         * jax.lax.ragged_dot(rows, up, group_sizes))  # [R, I]
-    return jax.lax.ragged_dot(h, down, group_sizes)  # [R, E]
+    return grouped_swiglu(jax.lax.ragged_dot, rows, group_sizes, gate, up, down)
 
 
 def grouped_by_expert(experts: jax.Array, num_experts: int

@@ -44,17 +44,16 @@ def whole_call(index: int, name: str, arguments: dict) -> list[Event]:
 
 
 def merged(events: list[Event]) -> list[Event]:
-    """`events` with neighbouring pieces of one kind (and one call) joined."""
+    """`events` without empty pieces, neighbouring pieces of one kind (and one call) joined."""
     out: list[Event] = []
     for event in events:
-        last = out[-1] if out else None
-        if isinstance(event, Content) and isinstance(last, Content):
-            out[-1] = Content(last.text + event.text)
-        elif isinstance(event, Reasoning) and isinstance(last, Reasoning):
-            out[-1] = Reasoning(last.text + event.text)
-        elif (isinstance(event, ArgumentsPiece) and isinstance(last, ArgumentsPiece)
-              and last.index == event.index):
-            out[-1] = ArgumentsPiece(event.index, last.text + event.text)
-        elif not (isinstance(event, (Content, Reasoning, ArgumentsPiece)) and not event.text):
+        if isinstance(event, CallStart):
             out.append(event)
+        elif event.text:
+            last = out[-1] if out else None
+            if type(last) is type(event) and getattr(last, "index", None) == getattr(
+                    event, "index", None):
+                out[-1] = dataclasses.replace(last, text=last.text + event.text)
+            else:
+                out.append(event)
     return out
