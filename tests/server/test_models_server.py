@@ -7,6 +7,7 @@ weighted to 0 and removed while streams run, with no failed request and the remo
 device memory freed; a bad reload leaves the old configuration serving."""
 
 import collections
+import gc
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -164,6 +165,10 @@ def test_a_failed_engine_falls_back_until_a_reload_replaces_it(server, monkeypat
 
 
 def live_bytes() -> int:
+    """Bytes of the process's live device arrays, after collecting garbage: arrays that an
+    earlier test on this worker left in reference cycles must not count in one reading and
+    be freed before the next."""
+    gc.collect()
     return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
 
