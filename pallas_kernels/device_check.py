@@ -44,6 +44,14 @@ BATCHES, CONTEXTS, KV_HEADS = (1, 8, 64, 256), (512, 2048, 8192), ((8, 32), (1, 
 MAX_MODEL_LEN, PAGE_SIZE, HEAD_DIM = 32768, 16, 128
 
 
+
+def error_text(err: BaseException, limit: int = 1500) -> str:
+    """An exception as a report row records it: its type and message, and when the message is
+    long (a child's traceback, an allocator's summary) its start and its end, where the
+    cause is."""
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= limit else f"{text[:300]} ... {text[-(limit - 300):]}"
+
 def peak_gbps(device_kind: str) -> float | None:
     for key, gbps in PEAK_GBPS.items():
         if key in device_kind:
@@ -109,7 +117,7 @@ def check_correctness(results: Results, interpret: bool, quick: bool):
                                             - want().astype(jnp.float32))))
                 row.update(max_abs_error=err, ok=err <= (2e-5 if dtype == "float32" else 3e-2))
             except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+                row.update(ok=False, error=error_text(e))
             results.add("correctness", row)
 
 
@@ -163,7 +171,7 @@ def bench_decode(results: Results, platform: str, peak: float | None, quick: boo
                     row.update(measure(batch, context, hkv, hq, pages_per_seq, key, platform,
                                        peak, interpret, iterations))
                 except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+                    row.update(error=error_text(e))
                 results.add("decode", row)
 
 

@@ -10,11 +10,15 @@ dequantized whole, to q's dtype, before anything else: the kernels
 dequantize each tile they load with the same rounding.
 """
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_quant, validation
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# float32 products at full precision: XLA:GPU's default for float32 is TF32 (errors ~1e-3), which
+# would make the oracle, not the kernel, the inexact side.
+EXACT = jax.lax.Precision.HIGHEST
 
 
 def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
@@ -28,7 +32,8 @@ def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
     num_keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
-    logits = jnp.einsum("thgd,tkhd->thgk", qg, k.astype(jnp.float32)) * sm_scale  # [T, Hkv, G, L]
+    logits = jnp.einsum("thgd,tkhd->thgk", qg, k.astype(jnp.float32),
+                        precision=EXACT) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     key_pos = jnp.arange(num_keys)[None, :]  # [1, L]
@@ -41,7 +46,8 @@ def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
     weights = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
     denom = weights.sum(-1, keepdims=True)  # [T, Hkv, G, 1]
     weights = weights / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("thgk,tkhd->thgd", weights, v.astype(jnp.float32))  # [T, Hkv, G, D]
+    out = jnp.einsum("thgk,tkhd->thgd", weights, v.astype(jnp.float32),
+                     precision=EXACT)  # [T, Hkv, G, D]
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 

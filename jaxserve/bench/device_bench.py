@@ -37,6 +37,8 @@ from typing import Any
 
 SECTIONS = ("device", "kernels", "serving", "startup")
 # Each section's share of the time budget (of the sections chosen, in proportion).
+# The GPU memory the start-up section's server may take (XLA_PYTHON_CLIENT_MEM_FRACTION).
+STARTUP_GPU_MEM_FRACTION = "0.15"
 SHARES = {"device": 0.03, "kernels": 0.30, "serving": 0.52, "startup": 0.15}
 
 
@@ -135,6 +137,7 @@ def run_startup(report: Report, quick: bool, deadline: float) -> None:
     from jaxserve.bench import startup_bench
     from jaxserve.bench.device_serving import FULL, QUICK, QUICK_CONFIG, preset_for
     from jaxserve.bench.random_model import CONFIG, build_random_model
+    from pallas_kernels.device_check import error_text
 
     with tempfile.TemporaryDirectory(prefix="jaxserve-device-startup-") as scratch:
         folder = Path(scratch) / "model"
@@ -143,10 +146,16 @@ def run_startup(report: Report, quick: bool, deadline: float) -> None:
         args = argparse.Namespace(model=str(folder), config=preset_for(jax.devices()[0]),
                                   timeout=max(60.0, deadline - time.perf_counter()))
         env = {**os.environ, "JAXSERVE_CACHE_DIR": str(Path(scratch) / "cache")}
+        if jax.devices()[0].platform == "gpu":
+            # This process's allocator already holds 75% of the card (the sections before):
+            # the server gets a share of the rest, plenty for the 60M model.
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = STARTUP_GPU_MEM_FRACTION
         # The serving section's batch limit: the same ladder of programs.
         flags = ["--max-num-seqs", str(max((QUICK if quick else FULL).batches))]
         row: dict[str, Any] = {"model": "random llama " + ("tiny" if quick else "60M"),
-                               "preset": args.config, "flags": " ".join(flags)}
+                               "preset": args.config, "flags": " ".join(flags),
+                               **({"gpu_mem_fraction": STARTUP_GPU_MEM_FRACTION}
+                                  if "XLA_PYTHON_CLIENT_MEM_FRACTION" in env else {})}
         try:
             for name in ("cold", "warm"):
                 start = startup_bench.one_start(args, env, flags)
@@ -154,7 +163,7 @@ def run_startup(report: Report, quick: bool, deadline: float) -> None:
                             f"{name}_programs_from_cache": start["programs_from_cache"],
                             f"{name}_phases": start["phases"]})
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-            row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
+            row["error"] = error_text(err)
         report.add("startup", row)
 
 

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.device_check import error_text
+
 # The model shapes: Llama-3.1-8B (the shipped reference shape) and, for --quick, a tiny one.
 MODEL_SHAPE = "llama-3.1-8b"
 QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -182,7 +184,7 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
             per_token = kv_bytes_per_token(engine)
             run_batch(engine, 1, dataclasses.replace(work, new_tokens=2), rng)  # first runs
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-            add({"variant": variant, "error": f"{type(err).__name__}: {str(err)[:400]}"})
+            add({"variant": variant, "error": error_text(err)})
             continue
         batches = work.batches[:SPEC_BATCHES] if "speculative_config" in overrides \
             else work.batches
@@ -197,7 +199,7 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
             try:
                 numbers = run_batch(engine, batch, work, rng)
             except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-                add({**row, "error": f"{type(err).__name__}: {str(err)[:400]}"})
+                add({**row, "error": error_text(err)})
                 continue
             step_bytes = weight_bytes + batch * (work.prompt_len + work.new_tokens / 2) * per_token
             numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)

@@ -140,6 +140,33 @@ def audit(compiled: jax.stages.Compiled, pools: PagePools, cache_bytes: int) -> 
                       staged, found)
 
 
+def memory_problem(compiled: jax.stages.Compiled, cache_bytes: int, free_bytes: int
+                   ) -> str | None:
+    """Why a run of `compiled` would exhaust the device beside the weights and the KV cache
+    already placed there, or None. `cache_bytes`: the cache's bytes on one device;
+    `free_bytes`: what the device's allocator has left. A program whose cache input is not
+    aliased to its output allocates a second cache at every run; any other needs room for
+    its outputs (those not aliased) and temporaries."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return None
+    if memory.alias_size_in_bytes < cache_bytes:
+        return (f"does not update the KV cache in place (its output aliases "
+                f"{_gib(memory.alias_size_in_bytes)} of the cache's {_gib(cache_bytes)}): "
+                "each run would allocate a second cache")
+    needed = (memory.output_size_in_bytes - memory.alias_size_in_bytes
+              + memory.temp_size_in_bytes)
+    if needed > free_bytes:
+        return (f"needs {_gib(needed)} for its outputs and temporaries, and "
+                f"{_gib(free_bytes)} are free beside the weights and the KV cache (lower "
+                "kv_cache_memory_fraction)")
+    return None
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
+
+
 def _hlo_type(dtype: str) -> str:
     """numpy dtype name → HLO element type (float32 → f32, int8 → s8, ...)."""
     names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8",

@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 import sharding
 
 from jaxserve.attention import PagedBatch, make_backend
-from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit
+from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, memory_problem
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
@@ -359,14 +359,38 @@ class Runner:
                                 list(self.mesh.devices.flat))
         return self.executable_store.path(key).is_file()
 
+    def _cache_bytes_per_device(self) -> int:
+        return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                   for leaf in jax.tree.leaves(self.caches))
+
     def cache_audits(self) -> dict[tuple[str, int, int], CacheAudit]:
         """`cache_audit.audit` of every program compiled so far, by bucket: whether each
         updates the KV cache in place and touches no whole page pool beyond its write."""
         pools = PagePools.of(self.caches, self.model_config.num_layers)
-        cache_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                          for leaf in jax.tree.leaves(self.caches))
+        cache_bytes = self._cache_bytes_per_device()
         return {bucket: audit(compiled, pools, cache_bytes)
                 for bucket, compiled in self._compiled.items()}
+
+    def check_device_memory(self) -> None:
+        """Fail at start-up, naming the programs and why, when a compiled program would run
+        out of device memory at its first run (`cache_audit.memory_problem`) rather than at
+        some request's. Only where the allocator reports its limit (TPU, GPU; not CPU)."""
+        device = next(d for d in self.mesh.devices.flat if d.process_index ==
+                      jax.process_index())
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        cache_bytes = self._cache_bytes_per_device()
+        problems = {bucket: memory_problem(compiled, cache_bytes, free)
+                    for bucket, compiled in sorted(self._compiled.items())}
+        failing = {bucket: problem for bucket, problem in problems.items() if problem}
+        if failing:
+            (kind, tokens, rows), problem = next(iter(failing.items()))
+            raise RuntimeError(
+                f"{len(failing)} of {len(problems)} compiled programs cannot run on "
+                f"{device.device_kind} (jax {jax.__version__}); e.g. the {kind} program of "
+                f"{tokens} tokens and {rows} rows {problem}")
 
     @property
     def programs_from_store(self) -> int:
@@ -401,6 +425,7 @@ class Runner:
         self.warmed_up = True
         self.warm_up_seconds = time.perf_counter() - started
         if not isinstance(self.last_tokens, jax.ShapeDtypeStruct):  # abstract: compile only
+            self.check_device_memory()
             started = time.perf_counter()
             self.first_runs()
             self.first_runs_seconds = time.perf_counter() - started

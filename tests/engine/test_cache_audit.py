@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve import LLM
 from jaxserve.default_model import DEFAULT_MODEL_DIR
-from jaxserve.engine.cache_audit import PagePools, audit
+from jaxserve.engine.cache_audit import PagePools, audit, memory_problem
 from sweeps import sweep
 from tiny_models import SMALL_ENGINE
 
@@ -75,3 +75,27 @@ def test_every_program_of_an_engine_updates_the_cache_in_place(engine, folder):
     for bucket, found in audits.items():
         assert found.ok, (bucket, found.problem())
         assert len(found.opcodes) == pools, (bucket, found.opcodes)  # each pool's one write
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_program_that_would_exhaust_the_device_is_named_before_it_runs(donate):
+    """`memory_problem`, the start-up check `Runner.check_device_memory` makes on TPU/GPU, on
+    hand-sized programs: a cache of 1,000 x 256 float32 (1,024,000 bytes) written in place
+    with a 64 MiB temporary beside it. Without donation the output is a second cache."""
+    cache = jnp.zeros((1000, 256), jnp.float32)
+
+    def step(cache, x):  # x [4096, 4096]: its square is a 64 MiB temporary
+        return cache.at[0].add((x @ x)[0, :256]), x.sum()
+
+    jitted = jax.jit(step, donate_argnums=0 if donate else ())
+    compiled = jitted.lower(cache, jnp.ones((4096, 4096), jnp.float32)).compile()
+    temporary = compiled.memory_analysis().temp_size_in_bytes
+    if not donate:
+        assert "does not update the KV cache in place" in memory_problem(
+            compiled, cache.nbytes, 2**40)
+        return
+    assert temporary >= 4096 * 4096 * 4
+    assert memory_problem(compiled, cache.nbytes, temporary + 2**20) is None
+    problem = memory_problem(compiled, cache.nbytes, temporary // 2)
+    assert "for its outputs and temporaries" in problem
+    assert "kv_cache_memory_fraction" in problem
