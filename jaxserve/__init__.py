@@ -8,11 +8,13 @@ line's `--help`) start without jax.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest",
+           "__version__"]
 
 # public name → the module that defines it
 _MODULES = {"LLM": "jaxserve.llm", "SamplingParams": "jaxserve.sampling_params",
-            "RequestOutput": "jaxserve.outputs", "CompletionOutput": "jaxserve.outputs"}
+            "RequestOutput": "jaxserve.outputs", "CompletionOutput": "jaxserve.outputs",
+            "LoRARequest": "jaxserve.lora.request"}
 
 
 def __getattr__(name: str):

@@ -41,6 +41,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative.draft import draft_config, load_draft
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
+from jaxserve.lora.request import LoRARequest
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
@@ -143,20 +144,25 @@ class LLM:
                                       "with 'prompt' or 'prompt_token_ids'")
         return text, ids
 
-    def _sequence(self, index: int, prompt, params: SamplingParams):
+    def _sequence(self, index: int, prompt, params: SamplingParams,
+                  lora_request: LoRARequest | None = None):
         text, ids = self._prompt_ids(prompt, index)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         try:
+            lora = None if lora_request is None else self.engine.load_lora(lora_request)
             return self.engine.make_sequence(str(next(self._request_ids)), ids, params, text,
-                                             salt)
+                                             salt, lora)
         except ValueError as err:
             raise InvalidRequestError(getattr(err, "field", None),
                                       f"prompts[{index}]: {err}") from None
 
     # ---- generation -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None]
                  | None = None) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in order."""
+        """One `RequestOutput` per prompt, in order. `lora_request` (with `enable_lora`): the
+        adapter of every prompt, or one per prompt (None: the base model); an adapter's
+        folder is read the first time it is named."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -170,8 +176,15 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts")
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
-        sequences = [self._sequence(i, prompt, p)
-                     for i, (prompt, p) in enumerate(zip(prompts, params))]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} "
+                                 "prompts")
+        sequences = [self._sequence(i, prompt, p, lora)
+                     for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]
         for seq in sequences:  # all validated before any is queued
             self.engine.enqueue(seq)
         while self.engine.has_unfinished():

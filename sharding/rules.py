@@ -34,6 +34,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "norm": None,
     "layers": None,  # the stacked-layers axis (`scan_layers`): every device holds all layers
     "experts": None,  # mixture of experts: every device holds a slice of every expert
+    "lora_slots": None,  # LoRA adapter slots and ranks: whole on every device (their
+    "lora_rank": None,  # A/B split like the base projection's in/out axes)
 }
 
 

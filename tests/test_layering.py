@@ -22,7 +22,7 @@ HEAVY = ("jax", "jaxlib", "flax", "torch")
 PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",
               "jaxserve.engine.sequence", "jaxserve.engine.batcher", "jaxserve.engine.config",
               "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.errors",
-              "jaxserve.tool_calling"]
+              "jaxserve.tool_calling", "jaxserve.lora.slots", "jaxserve.lora.request"]
 
 
 def loaded_packages(code: str) -> set[str]:

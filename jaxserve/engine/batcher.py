@@ -94,6 +94,8 @@ class StepInput:
     # [T] int32: for a token of a request that wants prompt log-probabilities, the prompt
     # token at the next position (-1 elsewhere, and past the prompt's last token)
     prompt_targets: np.ndarray
+    # [T] int32: the LoRA adapter slot of each token's sequence (`jaxserve.lora`), -1: none
+    lora_slots: np.ndarray
     # [S, ceil(V / 32)] int32 bitmask of the tokens each row may sample (bit j of word i:
     # token 32 i + j); all ones (-1) for a free row; without constrained rows, a read-only
     # all -1 view that the runner does not copy to the device
@@ -146,6 +148,7 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
         history = np.broadcast_to(np.int32(-1), (rows, config.max_model_len))
     prompt_lens = np.zeros(rows, np.int32)
     prompt_targets = np.full(tokens, -1, np.int32)
+    lora_slots = np.full(tokens, -1, np.int32)
     if any(c.seq.params.structured_outputs is not None for c in out.chunks):
         allowed = np.full((rows, mask_words), -1, np.int32)
     else:
@@ -161,6 +164,7 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
             token_ids[start + count - 1] = 0
             token_source[start + count - 1] = seq.pending_row
         positions[start:start + count] = pos
+        lora_slots[start:start + count] = seq.lora_slot
         pages = np.asarray(seq.pages, np.int32)
         slots[start:start + count] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[i] = first + count
@@ -190,4 +194,4 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,
         stop_ids=stop_ids, history=history, prompt_lens=prompt_lens,
-        prompt_targets=prompt_targets, allowed=allowed)
+        prompt_targets=prompt_targets, lora_slots=lora_slots, allowed=allowed)

@@ -18,7 +18,7 @@ from jaxserve.speculative.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
-SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative")
+SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora")
 
 
 def _option(default, section: str, help: str, choices: tuple | None = None,
@@ -102,6 +102,13 @@ class EngineConfig:
         "disable_by_batch_size; a JSON object on the command line, a preset's [speculative] "
         "table")
 
+    enable_lora: bool = _option(False, "lora", "serve LoRA adapters beside the base model "
+                                "(jaxserve.lora)")
+    max_loras: int = _option(1, "lora", "adapters resident on the device at once (slots); "
+                             "more wait in host memory and are swapped in")
+    max_lora_rank: int = _option(16, "lora", "largest adapter rank; smaller ranks are "
+                                 "zero-padded to it")
+
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.speculative_config is not None and not isinstance(self.speculative_config,
@@ -112,8 +119,12 @@ class EngineConfig:
             raise ValueError("calculate_kv_scales calibrates an fp8 KV cache's scales; it "
                              f"needs kv_cache_dtype='fp8', got {self.kv_cache_dtype!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "num_decode_steps", "tensor_parallel_size", "data_parallel_size"):
+                     "num_decode_steps", "tensor_parallel_size", "data_parallel_size",
+                     "max_loras", "max_lora_rank"):
             _positive_int(name, getattr(self, name))
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported: the "
+                             "proposals and their verification would need the adapter too")
         if self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES} (the kernels' "
                              f"supported sizes), got {self.page_size!r}")

@@ -64,6 +64,9 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxserve.engine.sequence import GrammarState, Sequence, Status
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import shard_model, stack_layers
+from jaxserve.lora.registry import AdapterRegistry
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slots import Adapter, SlotTable
 
 
 log = logging.getLogger("jaxserve.engine")
@@ -185,7 +188,8 @@ class Engine:
             runner = Runner(replica_model, config, self.num_pages, sub_mesh,
                             executable_store=self.executable_store, draft=replica_draft)
             runner.warm_up(progress)
-            self.replicas.append(Replica(allocator, Scheduler(config, allocator), runner))
+            slots = SlotTable(config.max_loras) if config.enable_lora else None
+            self.replicas.append(Replica(allocator, Scheduler(config, allocator, slots), runner))
         self.runner = self.replicas[0].runner
         runners = [r.runner for r in self.replicas]
         compile_s = sum(r.warm_up_seconds for r in runners)
@@ -205,6 +209,9 @@ class Engine:
         self._owners: dict[str, Replica] = {}  # request id → the replica serving it
         self._seed_rng = np.random.default_rng(0)
         self._grammars = None  # GrammarCompiler, built at the first structured request
+        # LoRA adapters by name (host memory); each replica's scheduler has their slots
+        self.loras = AdapterRegistry(self.model_config, config.max_lora_rank,
+                                     config.tensor_parallel_size) if config.enable_lora else None
         self._grammars_lock = threading.Lock()
         self._stopped = False
         self.failure: str | None = None  # why the engine gave up, for good
@@ -214,12 +221,18 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, prompt: str | None = None,
-                      cache_salt: str | None = None) -> Sequence:
+                      cache_salt: str | None = None, lora: Adapter | None = None) -> Sequence:
         """Validate a request and build its sequence (raises `InvalidRequestError`).
         `cache_salt` (vLLM's field): the request shares prefix-cache pages only with requests
-        of the same salt."""
+        of the same salt. `lora`: the adapter it is generated with (`load_lora`); its pages
+        are shared only with requests of the same adapter."""
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequestError("lora_request", "this engine was started without "
+                                          "enable_lora")
+            cache_salt = f"{cache_salt or ''}\0lora:{lora.key}"
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise InvalidRequestError("prompt", "prompt has no tokens")
@@ -250,7 +263,29 @@ class Engine:
                                           "the grammar allows no first token")
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed,
                         max_new_tokens=max_new, stop_token_ids=frozenset(stops), prompt=prompt,
-                        grammar=grammar, cache_salt=cache_salt)
+                        grammar=grammar, cache_salt=cache_salt, lora=lora)
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    def load_lora(self, request: LoRARequest) -> Adapter:
+        """Read an adapter's folder into host memory (once per name; thread-safe). It reaches
+        a device slot when a request using it is admitted."""
+        if self.loras is None:
+            raise ValueError("this engine was started without enable_lora")
+        return self.loras.add(request)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter (thread-safe); requests already using it finish with it. False
+        if no adapter has that name."""
+        adapter = None if self.loras is None else self.loras.remove(name)
+        if adapter is not None:
+            self._inbox.put(("forget_lora", adapter))
+        return adapter is not None
+
+    def _write_adapters(self, replica: Replica) -> None:
+        """Write into the replica's slots the adapters its scheduler just gave them."""
+        if replica.scheduler.lora_slots is not None:
+            for slot, adapter in replica.scheduler.lora_slots.take_loads():
+                replica.runner.load_lora(slot, adapter.weights)
 
     def grammar_compiler(self):
         """The compiler of structured-output grammars for this model's tokenizer (built on
@@ -296,6 +331,9 @@ class Engine:
                 self._processors[item.request_id] = OutputProcessor(item, self.tokenizer)
                 self._owners[item.request_id] = replica
                 replica.scheduler.add(item)
+            elif kind == "forget_lora":
+                for replica in self.replicas:
+                    replica.scheduler.lora_slots.forget(item)
             elif item in self._owners:
                 seq = self._owners[item].scheduler.abort(item)
                 if seq is not None:
@@ -402,6 +440,7 @@ class Engine:
         if not plan.chunks:
             return None
         replica.scheduling = plan  # until it is in flight: whose requests fail if this raises
+        self._write_adapters(replica)
         inp = build_step_input(plan, self.config, replica.runner.mask_words)
         started = time.monotonic()
         pending = self._launch(replica.runner, plan, inp)

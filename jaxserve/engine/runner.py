@@ -68,7 +68,10 @@ from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.program_cache import compile_shared, forget
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
+from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.lora.stacks import slot_stacks, write_slot
 from jaxserve.model import LlamaModel
+from jaxserve.model.lora import LORA_MODULES, LoRABatch
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.speculative.rounds import speculative_rounds
 
@@ -107,6 +110,17 @@ class Runner:
             draft_leaves, self._draft_def = jax.tree.flatten(draft_state)
             self._state_leaves = self._state_leaves + draft_leaves
         abstract = isinstance(model.embed.get_value(), jax.ShapeDtypeStruct)  # compile only
+        self._num_lora_leaves = 0
+        if config.enable_lora:  # the adapter slots' stacks end the flat list
+            if model.config.moe is not None:
+                raise ValueError("enable_lora is not supported for mixture-of-experts models")
+            lora_leaves, self._lora_def = jax.tree.flatten(slot_stacks(
+                model.config, config.max_loras, config.max_lora_rank, mesh,
+                model.compute_dtype, abstract))
+            self._state_leaves = self._state_leaves + lora_leaves
+            self._num_lora_leaves = len(lora_leaves)
+            self._write_lora = jax.jit(write_slot, donate_argnums=0,
+                                       out_shardings=[a.sharding for a in lora_leaves])
         cache_dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)
         self.num_pages = num_pages
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
@@ -169,6 +183,25 @@ class Runner:
         inp, *rest = unpack(packed, layout)
         return model, dataclasses.replace(inp, history=history, allowed=allowed), *rest
 
+    def _lora(self, state_leaves, token_slots, dtype) -> LoRABatch | None:
+        """The adapters' slot stacks and each token's slot, or None without LoRA."""
+        if not self._num_lora_leaves:
+            return None
+        stacks = jax.tree.unflatten(self._lora_def, state_leaves[-self._num_lora_leaves:])
+        return LoRABatch.of(stacks, token_slots, dtype)
+
+    def load_lora(self, slot: int, weights: LoRAAdapter | None) -> None:
+        """Write an adapter's stacks (None: zeros) into `slot`: one compiled program for any
+        slot and adapter, updating the stacks in place."""
+        count = self._num_lora_leaves
+        current = self._state_leaves[-count:]
+        if weights is None:
+            new = [np.zeros(a.shape[:1] + a.shape[2:], np.float32) for a in current]
+        else:
+            new = jax.tree.leaves({m: weights.stacks[m] for m in LORA_MODULES})
+        written = self._write_lora(current, np.int32(slot), new)
+        self._state_leaves = self._state_leaves[:-count] + list(written)
+
     def _draft(self, state_leaves):
         """(the draft model, its attention backend) from the programs' flat weights, or None
         without a draft."""
@@ -189,8 +222,9 @@ class Runner:
             caches, draft_caches = caches
             _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
                                        draft[1].for_step(batch))
+        lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)
         hidden, caches = model(token_ids, inp.positions, caches,
-                               self.attention.for_step(batch))  # [T, E]
+                               self.attention.for_step(batch), lora)  # [T, E]
         if draft is not None:
             caches = (caches, draft_caches)
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
@@ -220,6 +254,7 @@ class Runner:
         done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
+        lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)  # a token a row
 
         def cond(carry):
             step, _, _, done, _, _, _, _ = carry
@@ -232,7 +267,7 @@ class Runner:
             attention = self.attention.for_step(PagedBatch(
                 slots, jnp.where(valid, position + 1, 0), inp.page_indices, cu_q_lens,
                 inp.num_seqs, decode_only=True))
-            hidden, caches = model(current, position, caches, attention)  # [S, E]
+            hidden, caches = model(current, position, caches, attention, lora)  # [S, E]
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts, inp.allowed)
             new = result.tokens  # [S]
@@ -279,7 +314,8 @@ class Runner:
                                     wants_logprobs=flag(rows), constrained=flag(rows)),
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
             history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows),
-            prompt_targets=i32(tokens), allowed=i32(rows, self.mask_words))
+            prompt_targets=i32(tokens), lora_slots=i32(tokens),
+            allowed=i32(rows, self.mask_words))
 
     def _layout(self, kind: str, tokens: int, rows: int) -> Layout:
         """How a bucket's inputs are packed: the `StepInput` without its history and
@@ -427,6 +463,8 @@ class Runner:
         if not isinstance(self.last_tokens, jax.ShapeDtypeStruct):  # abstract: compile only
             self.check_device_memory()
             started = time.perf_counter()
+            if self._num_lora_leaves:
+                self.load_lora(0, None)  # compiles the slot write (slots start as zeros)
             self.first_runs()
             self.first_runs_seconds = time.perf_counter() - started
 

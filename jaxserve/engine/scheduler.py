@@ -21,6 +21,10 @@ With `speculative_config`, a decode-only step of few enough rows is `speculative
 steps is a round that may keep up to k + 1 tokens, so pages are reserved for that many per
 round (all rows or none; without them the program drafts only as far as each row's pages
 reach), and after the step the pages only rejected drafts used are freed.
+
+With LoRA (`lora_slots`), a sequence with an adapter also needs a device slot for it to be
+admitted (`jaxserve.lora.slots`), which it holds until it finishes or is preempted; one
+whose adapter finds no slot waits, and the requests behind it are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import (GRAMMAR_DEAD_END, PENDING, Sequence, Status,
                                       refresh_masks)
+from jaxserve.lora.slots import SlotTable
 
 
 @dataclasses.dataclass
@@ -89,9 +94,11 @@ def _stop_reason(seq: Sequence, token: int, num_outputs: int) -> str | None:
 class Scheduler:
     """Owns the waiting and running queues and every sequence's pages."""
 
-    def __init__(self, config: EngineConfig, allocator: PageAllocator):
+    def __init__(self, config: EngineConfig, allocator: PageAllocator,
+                 lora_slots: SlotTable | None = None):
         self.config = config
         self.allocator = allocator
+        self.lora_slots = lora_slots
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -139,6 +146,7 @@ class Scheduler:
             seq.output_token_ids.pop()  # sampled by a step still on device: dropped
         self.allocator.free(seq.pages)
         seq.pages = []
+        self._release_adapter(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.times.finished = time.monotonic()
 
@@ -297,8 +305,12 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        no_slot = []  # sequences whose adapter found no slot, in arrival order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not self._hold_adapter(seq):
+                no_slot.append(self.waiting.popleft())
+                continue
             # A request that wants its prompt's log-probabilities computes every prompt token
             # (a cached page has K/V, not the logits); it still keys its pages for others.
             if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
@@ -316,7 +328,23 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, count))
             budget -= count
+        self.waiting.extendleft(reversed(no_slot))
         return budget
+
+    def _hold_adapter(self, seq: Sequence) -> bool:
+        """Whether `seq` holds a slot for its adapter (taking one if it can), or needs none."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora_slots.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _decode_steps(self, out: SchedulerOutput, limit: int | None) -> int:
         """As many decode steps as configured (at most `limit`) if pages for all of them,
@@ -376,3 +404,4 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
         seq.pages, seq.page_hashes, seq.num_computed_tokens = [], [], 0
+        self._release_adapter(seq)

@@ -115,6 +115,8 @@ class Sequence:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages, in order
     cache_salt: str | None = None  # prefix-cache isolation: pages shared only with the same salt
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    lora: Any = None  # the adapter it is generated with (`jaxserve.lora.slots.Adapter`)
+    lora_slot: int = -1  # the device slot holding it while admitted (-1: none held)
     # The row, in the step still on device, whose sampled token is the PENDING token at the
     # end of `output_token_ids` (the next step reads it there on device).
     pending_row: int | None = None

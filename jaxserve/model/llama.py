@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.lora import LoRABatch, add_delta
 from jaxserve.model.moe import SparseMoE
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
                                          project, quantize, quantizes, scale_shape)
@@ -102,12 +103,15 @@ class Attention(nnx.Module):
         self.head_dim = d
 
     def __call__(self, layer_index: int, x: jax.Array, positions: jax.Array,
-                 attention: AttentionFn, layer_cache: Any) -> tuple[jax.Array, Any]:
+                 attention: AttentionFn, layer_cache: Any,
+                 lora: LoRABatch | None = None) -> tuple[jax.Array, Any]:
         q = self._project("...e,ehd->...hd", x, self.q_proj, self.q_proj_scale)  # [..., Hq, D]
         k = self._project("...e,ehd->...hd", x, self.k_proj, self.k_proj_scale)  # [..., Hkv, D]
         v = self._project("...e,ehd->...hd", x, self.v_proj, self.v_proj_scale)  # [..., Hkv, D]
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q, k, v = (add_delta(lora, name, x, out)
+                   for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(self.rope, self.head_dim)  # [D/2]
@@ -120,10 +124,10 @@ class Attention(nnx.Module):
         out = out.astype(x.dtype).reshape(*out.shape[:-2], -1)  # [..., Hq * D]
         kernel = self.o_proj[...].reshape(-1, self.o_proj.shape[-1])  # [Hq * D, E]
         scale = None if self.o_proj_scale is None else self.o_proj_scale[...]
-        out = project("...k,ke->...e", out, kernel, scale, self.quantization)
+        projected = project("...k,ke->...e", out, kernel, scale, self.quantization)
         if self.o_bias is not None:
-            out = out + self.o_bias[...]
-        return out, layer_cache
+            projected = projected + self.o_bias[...]
+        return add_delta(lora, "o_proj", out, projected), layer_cache
 
     def _project(self, spec, x, kernel: nnx.Param, scale: nnx.Param | None) -> jax.Array:
         return project(spec, x, kernel[...], None if scale is None else scale[...],
@@ -148,14 +152,17 @@ class MLP(nnx.Module):
             self.down_bias = _zeros((e,), dtype, ("embed",))
         self.mlp_bias = cfg.mlp_bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
         gate = self._project(x, self.gate_proj, self.gate_proj_scale)  # [..., I]
         up = self._project(x, self.up_proj, self.up_proj_scale)  # [..., I]
         if self.mlp_bias:
             gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
-        out = self._project(jax.nn.silu(gate) * up, self.down_proj,
-                            self.down_proj_scale)  # [..., E]
-        return out + self.down_bias[...] if self.mlp_bias else out
+        gate, up = add_delta(lora, "gate_proj", x, gate), add_delta(lora, "up_proj", x, up)
+        hidden = jax.nn.silu(gate) * up  # [..., I]
+        out = self._project(hidden, self.down_proj, self.down_proj_scale)  # [..., E]
+        if self.mlp_bias:
+            out = out + self.down_bias[...]
+        return add_delta(lora, "down_proj", hidden, out)
 
     def _project(self, x, kernel: nnx.Param, scale: nnx.Param | None) -> jax.Array:
         return project("...i,io->...o", x, kernel[...], None if scale is None else scale[...],
@@ -171,14 +178,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = SparseMoE(cfg, dtype, rngs) if cfg.moe else MLP(cfg, dtype, rngs)
 
-    def __call__(self, layer_index, x, positions, attention, layer_cache):
+    def __call__(self, layer_index, x, positions, attention, layer_cache,
+                 lora: LoRABatch | None = None):
+        """`lora`: this layer's adapter stacks and the tokens' slots (None: the base)."""
         attn_out, layer_cache = self.attn(
-            layer_index, self.input_norm(x), positions, attention, layer_cache)
+            layer_index, self.input_norm(x), positions, attention, layer_cache, lora)
         x = x + attn_out
         hidden = self.post_attention_norm(x)
         if isinstance(self.mlp, SparseMoE):  # the backend's grouped matmuls, if it has some
             return x + self.mlp(hidden, getattr(attention, "expert_ffn", None)), layer_cache
-        return x + self.mlp(hidden), layer_cache
+        return x + self.mlp(hidden, lora), layer_cache
 
 
 def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -228,27 +237,33 @@ class LlamaModel(nnx.Module):
                                                        dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
-                 attention: AttentionFn) -> tuple[jax.Array, Any]:
+                 attention: AttentionFn, lora: LoRABatch | None = None
+                 ) -> tuple[jax.Array, Any]:
         """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
 
-        `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache."""
+        `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache.
+        `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot."""
         x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
                            self.compute_dtype)  # [..., E]
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
-            def one_layer(carry, index_and_params):
+            def one_layer(carry, per_layer):
                 x, cache = carry
-                index, params = index_and_params
-                x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache)
+                index, params, lora_stacks = per_layer
+                layer_lora = None if lora is None else LoRABatch(lora_stacks, lora.one_hot)
+                x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache,
+                                                       layer_lora)
                 return (x, cache), None
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), (indices, stacked))
+            per_layer = (indices, stacked, None if lora is None else lora.stacks)
+            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), per_layer)
             return self.final_norm(x), kv_cache
         new_caches = []
         for index, layer in enumerate(self.layers):
-            x, cache = layer(index, x, positions, attention, kv_cache[index])
+            x, cache = layer(index, x, positions, attention, kv_cache[index],
+                             None if lora is None else lora.layer(index))
             new_caches.append(cache)
         return self.final_norm(x), new_caches
 

@@ -1,0 +1,62 @@
+"""LoRA generation (`LLM(enable_lora=True)`, `generate(lora_request=...)`) against
+transformers + peft: one batch mixing the base model and two adapters of different ranks,
+target modules and scalings, token for token.
+
+The prompts are the same for every adapter and longer than two pages, and the token budget
+admits one prompt per step, so a later request would find the earlier ones' pages in the
+prefix cache if the cache did not key pages by adapter. With one slot the two adapters take
+turns in it (swapped in while the base requests run); with two they share steps. tp 2
+splits the adapters' stacks like the base weights; tp 4 (slow) also repeats the two kv
+heads, and the adapters' k/v columns with them."""
+
+import pytest
+
+from jaxserve import LLM, LoRARequest, SamplingParams
+from peft_adapters import ADAPTERS, reference_tokens, write_adapter
+from sweeps import sweep
+from tiny_models import SMALL_ENGINE, build_model
+
+MAX_TOKENS = 12
+PROMPTS = [[5 + (7 * i + 3 * p) % 300 for i in range(40 + p)] for p in range(2)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(base folder, {adapter name: folder}, {None or adapter name: reference tokens})."""
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    build_model("llama", base)
+    adapters = {}
+    for seed, (name, config) in enumerate(ADAPTERS.items()):
+        adapters[name] = root / name
+        write_adapter(base, adapters[name], seed, **config)
+    expected = {name: reference_tokens(base, adapters.get(name), PROMPTS, MAX_TOKENS)
+                for name in (None, *ADAPTERS)}
+    return base, adapters, expected
+
+
+@pytest.mark.parametrize("max_loras, tp", sweep([(1, 1), (2, 2), (2, 4)], keep={0, 1}))
+def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras, tp):
+    base, adapters, expected = models
+    assert expected["attn"] != expected[None] != expected["everything"]  # each one matters
+    llm = LLM(str(base), dtype="float32", progress=False, enable_lora=True,
+              max_loras=max_loras, max_lora_rank=8, tensor_parallel_size=tp,
+              **{**SMALL_ENGINE, "max_num_batched_tokens": 48, "token_buckets": (48,)})
+    requests = {name: LoRARequest(name, i + 1, str(folder))
+                for i, (name, folder) in enumerate(adapters.items())}
+    order = [None, "attn", "everything", "attn", None, "everything"]
+    prompts = [{"prompt_token_ids": PROMPTS[i % 2]} for i in range(len(order))]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True),
+                           lora_request=[requests.get(name) for name in order])
+    for i, (name, output) in enumerate(zip(order, outputs)):
+        assert output.outputs[0].token_ids == expected[name][i % 2], (i, name)
+    assert llm.engine.runner.compiles_after_warmup == 0
+
+
+def test_lora_requests_need_enable_lora(models):
+    base, adapters, _ = models
+    llm = LLM(str(base), dtype="float32", progress=False, **SMALL_ENGINE)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                     lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
