@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from jaxserve import __version__
 from jaxserve.tool_calling import REASONING_PARSERS, TOOL_PARSERS, ChatParsing
@@ -118,10 +119,14 @@ def _serve(args: argparse.Namespace) -> int:
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     listener = _listen_socket(args.host, args.port) if multihost.is_leader() else None
     if args.models is not None:
+        if args.lora_modules:
+            raise ValueError("--lora-modules serves adapters of --model's model; a models "
+                             "file cannot name adapters")
         options = _models_file_options(args)
     else:
         model, dtype, engine_options = resolve_model_settings(args)
-        _check_before_serving(model, dtype, args.config, engine_options)
+        adapters = lora_modules(args.lora_modules)
+        _check_before_serving(model, dtype, args.config, engine_options, adapters)
         if not multihost.is_leader():
             from jaxserve.llm import LLM
 
@@ -133,7 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
 
             served_names = [DEFAULT_MODEL_NAME]
         options = ServerOptions(model=model, served_model_name=served_names, dtype=dtype,
-                                config=args.config, engine_options=engine_options)
+                                config=args.config, engine_options=engine_options,
+                                lora_modules=adapters)
     state = ServerState(dataclasses.replace(
         options, api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
@@ -211,14 +217,47 @@ def _reload_on_sighup(state) -> None:
 
 
 def _check_before_serving(model: str, dtype: str | None, config: str | None,
-                          options: dict) -> None:
+                          options: dict, lora_modules: tuple[tuple[str, str], ...] = ()
+                          ) -> None:
     """Everything about the model and the options that can be known without reading weights
-    (folder, config.json, preset, option conflicts, the mesh): a `ValueError` here exits 2
-    before the socket opens, instead of a server that never becomes healthy."""
+    (folder, config.json, preset, option conflicts, the mesh, the LoRA folders' configs): a
+    `ValueError` here exits 2 before the socket opens, instead of a server that never
+    becomes healthy."""
     from jaxserve.engine.engine import engine_mesh
     from jaxserve.llm import resolve_settings
+    from jaxserve.lora.adapter import read_adapter_config
 
-    engine_mesh(resolve_settings(model, dtype, config, options).engine_config)
+    engine_config = resolve_settings(model, dtype, config, options).engine_config
+    engine_mesh(engine_config)
+    if lora_modules and not engine_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in lora_modules:
+        try:
+            read_adapter_config(Path(path))
+        except ValueError as err:
+            raise ValueError(f"--lora-modules {name}: {err}") from None
+
+
+def lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules` entries, `name=path` or vLLM's JSON `{"name": ..., "path": ...}`, as
+    (name, path) pairs (`ValueError` naming a malformed one)."""
+    pairs = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+                pairs.append((str(entry["name"]), str(entry["path"])))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {value!r}: a JSON entry needs \"name\" and "
+                                 "\"path\"") from None
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {value!r}: expected name=path")
+        pairs.append((name, path))
+    if len({name for name, _ in pairs}) != len(pairs):
+        raise ValueError("--lora-modules names an adapter twice")
+    return tuple(pairs)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -337,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the format the model writes tool calls in (vLLM's names)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split <think> reasoning into reasoning_content")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to serve at start, as vLLM takes "
+                            "them: name=path or '{\"name\": ..., \"path\": ...}'; requests "
+                            "name them as their model (needs --enable-lora)")
     serve.add_argument("--coordinator-address", default=None,
                        help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
     serve.add_argument("--num-processes", type=int, default=None)

@@ -35,8 +35,10 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.fleet.fleet import ReloadError
 from jaxserve.fleet.routing import Route, UnknownModelError
 from jaxserve.fleet.served_model import ServedModel
+from jaxserve.lora.slots import Adapter
 from jaxserve.server import handlers
 from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
+from jaxserve.server.lora_routes import add_lora_routes
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.router_routes import RequestIdMiddleware, add_router_routes
 from jaxserve.server.state import ServerState
@@ -156,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
     async def admit(served: ServedModel, body, build: Callable, answer_as: str,
-                    request_id: str | None):
+                    request_id: str | None, lora: Adapter | None):
         """The job of `body` on `served` (its grammar compiled off the event loop first, and
         a chat request's tool schemas checked by compiling them)."""
         structured = body.structured()
@@ -169,24 +171,27 @@ def create_app(state: ServerState) -> FastAPI:
             except InvalidRequestError as err:
                 err.field = field  # the name the client sent
                 raise
-        return build(served, body, answer_as, request_id)
+        return build(served, body, answer_as, request_id, lora=lora)
 
     async def run(request: Request, body, build: Callable):
-        chosen, tried = route(body.model), set()
+        adapter = state.find_adapter(body.model) if state.ready else None
+        lora = None if adapter is None else adapter[1]  # `model` names a LoRA adapter
+        model = body.model if adapter is None else adapter[0].entry.name
+        chosen, tried = route(model), set()
         given_id = request.state.request_id if request.state.request_id_given else None
         while True:
             served = chosen.served
             tried.add(served.pinned_id)
             answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
-                         else body.model or served.entry.name)
+                         and lora is None else body.model or served.entry.name)
             try:
-                job = await admit(served, body, build, answer_as, given_id)
+                job = await admit(served, body, build, answer_as, given_id, lora)
                 break
             except RetiredError:  # removed by a reload a moment ago: the new table decides
-                chosen = route(body.model)
+                chosen = route(model)
             except (QueueFullError, EngineDeadError):
                 fallback = state.fleet.router.fallback(chosen)
-                if fallback is None or fallback.served.pinned_id in tried:
+                if lora is not None or fallback is None or fallback.served.pinned_id in tried:
                     raise
                 chosen = fallback
             except ValueError as err:
@@ -211,6 +216,7 @@ def create_app(state: ServerState) -> FastAPI:
                                                           parsing=state.chat_parsing))
 
     add_tokenizer_routes(app, state, v1)
+    add_lora_routes(app, state, v1)
     add_router_routes(app, state, check_api_key)
 
     return app
@@ -234,6 +240,10 @@ def model_cards(state: ServerState) -> list[dict]:
     if state.fleet.pinned_ids:
         cards += [card(s.pinned_id, s, parent=s.entry.name, weight=table.weight(s),
                        status="failed" if s.failure else "ready") for s in table.served]
+    for served in table.served:  # LoRA adapters, as vLLM lists them
+        registry = served.llm.engine.loras
+        cards += [card(a.name, served, root=a.weights.path, parent=served.entry.name)
+                  for a in (registry.all() if registry is not None else [])]
     return cards
 
 

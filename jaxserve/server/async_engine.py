@@ -21,6 +21,7 @@ from jaxserve.engine.output_processor import StreamDelta, merge_deltas
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.lora.slots import Adapter
 
 if TYPE_CHECKING:
     from jaxserve.fleet.device_turns import Seat
@@ -164,7 +165,8 @@ class AsyncEngine:
 
     # ---- handler side -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None, cache_salt: str | None = None) -> Sequence:
+               prompt: str | None = None, cache_salt: str | None = None,
+               lora: Adapter | None = None) -> Sequence:
         """Validate and queue a request (raises ValueError / QueueFullError); call from the
         event loop, then iterate `stream(request_id)`."""
         with self._lock:  # counted here: queued requests the scheduler has not seen yet too
@@ -176,7 +178,7 @@ class AsyncEngine:
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting; retry later")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt,
-                                        cache_salt)
+                                        cache_salt, lora)
         with self._lock:
             if self._retired:  # retired while this request was being validated
                 raise RetiredError("this model version is being removed")

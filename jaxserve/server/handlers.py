@@ -53,12 +53,16 @@ class Job:
     object_name = ""
     chunk_object = ""
     id_prefix = ""
+    prompt_ids_on_choice = True  # where `return_token_ids` puts the prompt's ids
 
-    def __init__(self, served, body, answer_as: str, request_id: str | None = None):
+    def __init__(self, served, body, answer_as: str, request_id: str | None = None,
+                 lora=None):
         """`served`: the `jaxserve.fleet.ServedModel` that runs it; `answer_as`: the
         `model` its bodies name; `request_id`: the client's `X-Request-Id` (recorded, never
-        an engine request id: clients may repeat one)."""
+        an engine request id: clients may repeat one); `lora`: the LoRA adapter
+        (`jaxserve.lora.slots.Adapter`) its `model` named, if any."""
         self.body = body
+        self.lora = lora
         self.engine = served.engine
         self.tokenizer = served.tokenizer
         self.max_model_len = served.max_model_len
@@ -129,7 +133,7 @@ class Job:
                                            self.prompt_logprobs_count(), self.structured,
                                            self.keeps_special_tokens())
         request_id = f"{self.id}-{index}"
-        self.engine.submit(request_id, ids, params, text, self.body.cache_salt)
+        self.engine.submit(request_id, ids, params, text, self.body.cache_salt, self.lora)
         self.choices.append(Choice(index, request_id, ids, logprobs, self.echo_text(text, ids)))
 
     # ---- bodies -------------------------------------------------------------------------
@@ -177,9 +181,24 @@ class Job:
 
         outputs = await asyncio.gather(*(finish(c) for c in self.choices))
         choices = [self.choice_body(c, out) for c, out in zip(self.choices, outputs)]
-        return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": choices,
-                "usage": self.usage(sum(len(o.outputs[0].token_ids) for o in outputs))}
+        response = {"id": self.id, "object": self.object_name, "created": self.created,
+                    "model": self.model, "choices": choices,
+                    "usage": self.usage(sum(len(o.outputs[0].token_ids) for o in outputs))}
+        for choice, body, output in zip(self.choices, choices, outputs):
+            self.add_token_ids(response, body, choice, output.outputs[0].token_ids, True)
+        return response
+
+    def add_token_ids(self, response: dict, body: dict, choice: Choice, token_ids,
+                      first: bool) -> None:
+        """vLLM's `return_token_ids`: the choice's generated ids (a chunk's new ones) in
+        `token_ids`, and with a choice's first body the prompt's ids, in the choice
+        (completions) or the response (chat): `prompt_token_ids`."""
+        if not self.body.return_token_ids:
+            return
+        body["token_ids"] = list(token_ids)
+        if first:
+            (body if self.prompt_ids_on_choice else response)["prompt_token_ids"] = list(
+                choice.prompt_ids)
 
     async def _deltas(self, choice: Choice) -> AsyncIterator[tuple[Choice, Any]]:
         """One choice's deltas, then its failure if it failed (reported in the stream)."""
@@ -225,11 +244,13 @@ class Job:
                 yield _event({"error": {"message": str(delta), "type": "server_error"}})
                 continue
             generated += len(delta.new_token_ids)
-            body = self.delta_body(choice, delta, choice.index not in started)
+            first = choice.index not in started
+            body = self.delta_body(choice, delta, first)
             started.add(choice.index)
             if body is not None:
                 chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
                          "model": self.model, "choices": [body]}
+                self.add_token_ids(chunk, body, choice, delta.new_token_ids, first)
                 if include_usage:
                     chunk["usage"] = None
                 yield _event(chunk)
@@ -251,6 +272,7 @@ def _event(data: dict[str, Any]) -> str:
 class CompletionJob(Job):
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
+    prompt_ids_on_choice = True
     body: CompletionRequest
 
     def prompts(self):
@@ -372,15 +394,16 @@ class ChatJob(Job):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    prompt_ids_on_choice = False
     body: ChatCompletionRequest
 
     def __init__(self, served, body, answer_as: str, request_id: str | None = None,
-                 parsing: ChatParsing = ChatParsing()):
+                 lora=None, parsing: ChatParsing = ChatParsing()):
         self.parsing = parsing
         self.tool_choice = body.tool_choice_checked
         parsing.check(self.tool_choice, getattr(served.tokenizer, "chat_template", None))
         self.replies: dict[int, ReplyParser] = {}  # choice index → its parser
-        super().__init__(served, body, answer_as, request_id)
+        super().__init__(served, body, answer_as, request_id, lora)
 
     def prompts(self):
         if self.tokenizer is None:

@@ -84,6 +84,7 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only within one salt
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: the ids of the prompt and of each choice
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 

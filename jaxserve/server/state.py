@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -16,6 +17,8 @@ from jaxserve.fleet.fleet import ModelFleet
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.prometheus import PrometheusMetrics
 from jaxserve.tool_calling import ChatParsing
@@ -39,10 +42,14 @@ class ServerOptions:
     models_file: str | None = None  # several models and versions (jaxserve.fleet)
     routing_seed: int = 0  # of the weighted choice among a name's versions
     chat_parsing: ChatParsing = ChatParsing()  # tool-call and reasoning parsers, every model
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
             raise ValueError("give a model or a models file (not both)")
+        if self.lora_modules and self.models_file is not None:
+            raise ValueError("lora_modules serves adapters of the one model; a models file "
+                             "cannot name adapters")
         if self.models_file is not None and (self.served_model_name or self.dtype
                                              or self.config or self.engine_options):
             raise ValueError("with a models file, give names, dtype, preset and engine "
@@ -69,6 +76,7 @@ class ServerState:
         self.fleet = ModelFleet(self.read_entries, build, options.max_waiting_requests,
                                 self.prometheus, options.models_file is not None, self.fail,
                                 options.routing_seed)
+        self._lora_ids = itertools.count(1)  # lora_int_id of each adapter loaded here
         self.fatal_error: str | None = None  # why this server cannot serve; it exits
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
@@ -101,6 +109,21 @@ class ServerState:
         """The version that would answer `model` now (`UnknownModelError` if none)."""
         return self.fleet.router.route(model).served
 
+    def load_lora(self, name: str, path: str) -> Adapter:
+        """Read a LoRA adapter for the model (`ValueError` naming what is wrong)."""
+        return self.llm.engine.load_lora(LoRARequest(name, next(self._lora_ids), path))
+
+    def find_adapter(self, name: str | None) -> tuple[ServedModel, Adapter] | None:
+        """The served model with a LoRA adapter called `name`, and the adapter."""
+        if name is None or not self.fleet.table:
+            return None
+        for served in self.fleet.table.served:
+            registry = served.llm.engine.loras
+            adapter = None if registry is None else registry.get(name)
+            if adapter is not None:
+                return served, adapter
+        return None
+
     def not_ready_reason(self) -> str:
         return self.fatal_error or "model is loading and compiling; retry shortly"
 
@@ -117,6 +140,8 @@ class ServerState:
         """Load the models, warm up, start the engine threads (runs on a loader thread)."""
         try:
             self.fleet.start()
+            for name, path in self.options.lora_modules:
+                self.load_lora(name, path)
             self.ready = True
             log.info("ready: %s", ", ".join(self.fleet.table.ids()))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
