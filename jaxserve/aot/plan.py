@@ -55,6 +55,7 @@ from jaxserve.model.config import resolve_dtype
 from jaxserve.presets import Preset
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.weights import abstract_sharded_model
+from jaxserve.lora.stacks import slot_stack_bytes
 from jaxserve.speculative.draft import draft_config
 
 
@@ -198,6 +199,9 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     hbm = target.hbm_bytes()
     cache_dtype = page_dtype(engine.kv_cache_dtype, param_dtype)
     weights = sum(weights_bytes_per_device(m) for m in models)
+    lora_bytes = slot_stack_bytes(stored, engine.max_loras, engine.max_lora_rank,
+                                  replica_mesh, param_dtype) if engine.enable_lora else 0
+    weights += lora_bytes  # the adapter slots sit beside the weights for good
     result: dict[str, Any] = {
         "platform": target.platform, "target": target.name, "devices": target.devices,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
@@ -205,6 +209,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "quantization": model_config.quantization and model_config.quantization.method,
         "kv_cache_dtype": jnp.dtype(cache_dtype).name,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
+        "lora_slots_bytes_per_device": lora_bytes,
         "kv_cache_bytes_per_device": 0, "num_pages": 0, "max_concurrent_tokens": 0,
         "max_temp_bytes_per_device": 0, "warm_up_programs": 0, "programs": [],
         "reason": None}

@@ -67,6 +67,7 @@ from jaxserve.loading.weights import shard_model, stack_layers
 from jaxserve.lora.registry import AdapterRegistry
 from jaxserve.lora.request import LoRARequest
 from jaxserve.lora.slots import Adapter, SlotTable
+from jaxserve.lora.stacks import slot_stack_bytes
 
 
 log = logging.getLogger("jaxserve.engine")
@@ -174,9 +175,12 @@ class Engine:
         draft = None if draft is None else placed(draft)
         dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)  # of the KV pages
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        lora_bytes = slot_stack_bytes(model.config, config.max_loras, config.max_lora_rank,
+                                      sharding.replica_meshes(self.mesh)[0],
+                                      model.compute_dtype) if config.enable_lora else 0
         self.num_pages = multihost.agree(choose_num_pages(
             model.config, config, dtype, local[0], config.tensor_parallel_size,
-            None if draft is None else draft.config))
+            None if draft is None else draft.config, reserved_bytes=lora_bytes))
         self.replicas: list[Replica] = []
         for sub_mesh in sharding.replica_meshes(self.mesh):
             allocator = PageAllocator(self.num_pages, config.page_size,

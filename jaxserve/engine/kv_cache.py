@@ -48,16 +48,17 @@ def page_bytes(model: ModelConfig, page_size: int, dtype, tensor_parallel_size: 
 
 def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
                      device: jax.Device | None = None, tensor_parallel_size: int = 1,
-                     draft: ModelConfig | None = None) -> int:
+                     draft: ModelConfig | None = None, reserved_bytes: int = 0) -> int:
     """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
     for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
     on the mesh: each device holds 1/tensor_parallel_size of its kv heads. A `draft` model's
-    pool has a page for every page of the target's (the same ids): both count."""
+    pool has a page for every page of the target's (the same ids): both count.
+    `reserved_bytes`: what the engine will place after the cache (LoRA slots), not free."""
     device = device or jax.devices()[0]
     stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
     return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
-                            stats.get("bytes_in_use", 0), tensor_parallel_size, device.platform,
-                            draft)
+                            stats.get("bytes_in_use", 0) + reserved_bytes,
+                            tensor_parallel_size, device.platform, draft)
 
 
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,

@@ -3,6 +3,8 @@ projection they adapt, and the program that writes one slot."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -37,3 +39,14 @@ def write_slot(stacks: list[jax.Array], slot: jax.Array, new: list[jax.Array]
     jitted with the stacks donated, so the write is in place."""
     return [stack.at[:, slot].set(value.astype(stack.dtype))
             for stack, value in zip(stacks, new)]
+
+
+def slot_stack_bytes(cfg: ModelConfig, max_loras: int, max_lora_rank: int, mesh: Mesh,
+                     dtype) -> int:
+    """Bytes the slot stacks take on one device of `mesh` (what the KV cache must leave)."""
+    total = 0
+    for module, shapes in slot_shapes(cfg, max_loras, max_lora_rank).items():
+        for shape, axes in zip(shapes, lora_axes(module)):
+            per_device = sharding.named_sharding(axes, shape, mesh).shard_shape(shape)
+            total += math.prod(per_device) * jnp.dtype(dtype).itemsize
+    return total

@@ -142,6 +142,29 @@ def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, a
         assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
 
 
+@pytest.mark.parametrize("platform,accelerator", sweep([("tpu", "v5e"), ("gpu", "h100")],
+                                                      keep={0}))
+def test_lora_slots_compile_for_the_target_and_count_in_the_plan(tiny, tmp_path, platform,
+                                                                   accelerator):
+    """A preset's [lora] table: every program takes the adapter slots' stacks (3 slots of
+    rank 8 over the seven projections, bfloat16) and still updates the cache in place; the
+    stacks count beside the weights, before the KV cache takes its share."""
+    preset = tmp_path / "lora.toml"
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator)
+                      + "[lora]\nenable_lora = true\nmax_loras = 3\nmax_lora_rank = 8\n")
+    code, plan = run_plan("--config", preset, "--model", tiny)
+    assert code == 0, plan["reason"]
+    e, i, q, kv = 512, 1024, 4 * 128, 2 * 128
+    per_layer = sum(n_in + n_out for n_in, n_out in [(e, q), (e, kv), (e, kv), (q, e), (e, i),
+                                                     (e, i), (i, e)])
+    lora = 2 * TINY["num_hidden_layers"] * 3 * 8 * per_layer
+    assert plan["lora_slots_bytes_per_device"] == lora
+    assert plan["weights_bytes_per_device"] == tiny_weight_bytes() + lora
+    for program in plan["programs"]:
+        assert program["compiled"] and program["cache_donated"], program
+        assert program["cache_copies"] == program["cache_whole_pool_ops"] == 0, program
+
+
 def test_oversized_plan_exits_1_with_the_numbers():
     code, plan = run_plan("--config", REPO / "tpu_configs/v5e-1.toml", "--model",
                           "llama-3.1-70b")
