@@ -285,6 +285,18 @@ class Engine:
             self._inbox.put(("forget_lora", adapter))
         return adapter is not None
 
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters running sequences use and of those only waiting sequences
+        need (vLLM's `vllm:lora_requests_info`; safe from another thread)."""
+        running, waiting = set(), set()
+        for replica in self.replicas:
+            table = replica.scheduler.lora_slots
+            queued = [seq.lora for seq in list(replica.scheduler.waiting) if seq.lora]
+            now, later = table.running_and_waiting(queued)
+            running.update(now)
+            waiting.update(later)
+        return sorted(running), sorted(waiting - running)
+
     def _write_adapters(self, replica: Replica) -> None:
         """Write into the replica's slots the adapters its scheduler just gave them."""
         if replica.scheduler.lora_slots is not None:

@@ -13,6 +13,7 @@ An engine removed by a reload leaves its counters and histograms (they stay mono
 from __future__ import annotations
 
 import functools
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,6 +73,7 @@ class _EngineState:
                 startup.add_metric([model_name, phase], seconds)
         yield startup
         yield from _config_info(self.engines)
+        yield from _lora_info(self.engines)
         yield from _spec_decode(self.engines)
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
@@ -103,6 +105,21 @@ def _config_info(engines: dict[str, Engine]):
                             str(bool(quant and quant.activations)).lower()], 1)
     yield cache
     yield weights
+
+
+def _lora_info(engines: dict[str, Engine]):
+    """vLLM's `vllm:lora_requests_info` for the engines serving LoRA adapters: the slot
+    count and the adapters running and waiting (comma-separated names) in labels, the time
+    of the reading as the value."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                             labels=["model_name", "max_lora", "running_lora_adapters",
+                                     "waiting_lora_adapters"])
+    for model_name, engine in list(engines.items()):
+        if engine.loras is not None:
+            running, waiting = engine.lora_requests()
+            info.add_metric([model_name, str(engine.config.max_loras), ",".join(running),
+                             ",".join(waiting)], time.time())
+    yield info
 
 
 SPEC_DECODE_COUNTERS = {  # vLLM's spec_decode counters → the engine's counter of each

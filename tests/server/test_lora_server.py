@@ -95,6 +95,9 @@ def test_adapters_load_and_unload_while_requests_run(server, client, models):
     with pytest.raises(openai.NotFoundError) as gone:
         tokens_of(client, "everything")
     assert gone.value.body["param"] == "model"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert (f'vllm:lora_requests_info{{max_lora="1",model_name="{NAME}",'
+            'running_lora_adapters="",waiting_lora_adapters=""}') in metrics
 
 
 def test_bad_adapter_requests_are_named(server, models, tmp_path):
