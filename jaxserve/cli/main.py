@@ -14,6 +14,7 @@
     jaxserve bench models [--model PATH]
     jaxserve bench quality [--model PATH] [--text FILE]
     jaxserve bench load [--model PATH] [--source-dtype float32] [--variants none int8 fp8]
+    jaxserve bench lora [--model PATH] [--batch 32] [--max-loras 8] [--max-lora-rank 16]
     jaxserve convert --model HF_DIR --out CKPT_DIR [--quantization int8|fp8]
     jaxserve plan --list                  (the presets that ship with jaxserve)
     jaxserve plan --config v6e-8 [--model DIR] [--json]
@@ -430,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (device_bench, load_bench, models_bench, offline_bench,
-                                pool_bench, quality_bench, serve_bench, speculative_bench,
-                                startup_bench, structured_bench)
+    from jaxserve.bench import (device_bench, load_bench, lora_bench, models_bench,
+                                offline_bench, pool_bench, quality_bench, serve_bench,
+                                speculative_bench, startup_bench, structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
@@ -440,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "kernels, serving an 8B model, start-up; JSON, table, plot"),
         "offline": (offline_bench, "generation throughput at batch 1 and N beside "
                                    "transformers (and vLLM), decode roofline"),
+        "lora": (lora_bench, "LoRA adapters: a batch with 0, 1, 2 and N distinct adapters "
+                 "beside the base engine, more adapters than slots, a slot write"),
         "spec": (speculative_bench, "the engine with and without speculative decoding at "
                                     "several concurrencies: tokens/s, TPOT, acceptance"),
         "pool": (pool_bench, "a single request's decode step at several KV pool sizes "

@@ -190,17 +190,19 @@ class Runner:
         stacks = jax.tree.unflatten(self._lora_def, state_leaves[-self._num_lora_leaves:])
         return LoRABatch.of(stacks, token_slots, dtype)
 
-    def load_lora(self, slot: int, weights: LoRAAdapter | None) -> None:
+    def load_lora(self, slot: int, weights: LoRAAdapter | None) -> list[jax.Array]:
         """Write an adapter's stacks (None: zeros) into `slot`: one compiled program for any
-        slot and adapter, updating the stacks in place."""
+        slot and adapter, updating the stacks in place; returns the stacks written (to wait
+        on them)."""
         count = self._num_lora_leaves
         current = self._state_leaves[-count:]
         if weights is None:
             new = [np.zeros(a.shape[:1] + a.shape[2:], np.float32) for a in current]
         else:
             new = jax.tree.leaves({m: weights.stacks[m] for m in LORA_MODULES})
-        written = self._write_lora(current, np.int32(slot), new)
-        self._state_leaves = self._state_leaves[:-count] + list(written)
+        written = list(self._write_lora(current, np.int32(slot), new))
+        self._state_leaves = self._state_leaves[:-count] + written
+        return written
 
     def _draft(self, state_leaves):
         """(the draft model, its attention backend) from the programs' flat weights, or None
