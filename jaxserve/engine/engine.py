@@ -160,6 +160,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        if config.enable_lora and multihost.is_multiprocess():
+            raise ValueError("enable_lora is not supported across several processes yet: the "
+                             "followers would not receive the adapters' slot writes")
         enable_compilation_cache(config)
         self.executable_store = executable_store_for(config)
         self.mesh = engine_mesh(config)
