@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.engine.runner import CompileAfterWarmupError
 from tiny_models import SMALL_ENGINE, build_model
 
@@ -101,6 +101,13 @@ def test_nothing_compiles_after_warm_up(llm):
 def test_bad_prompts_are_clear_errors(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], GREEDY)
+
+
+def test_a_lora_request_needs_enable_lora(llm, tmp_path):
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate(["Hello"], GREEDY, lora_request=LoRARequest("sql", 1, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_request has 2 entries for 1 prompts"):
+        llm.generate(["Hello"], GREEDY, lora_request=[None, None])
 
 
 def test_bad_construction_is_a_clear_error(tmp_path):

@@ -54,10 +54,3 @@ def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras,
         assert output.outputs[0].token_ids == expected[name][i % 2], (i, name)
     assert llm.engine.runner.compiles_after_warmup == 0
 
-
-def test_lora_requests_need_enable_lora(models):
-    base, adapters, _ = models
-    llm = LLM(str(base), dtype="float32", progress=False, **SMALL_ENGINE)
-    with pytest.raises(ValueError, match="enable_lora"):
-        llm.generate([{"prompt_token_ids": PROMPTS[0]}],
-                     lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
