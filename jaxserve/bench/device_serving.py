@@ -10,7 +10,10 @@ For each batch size, that many requests of `prompt_len` random tokens, each gene
 - `mbu` (model bandwidth utilisation): the bytes one decode step reads — the weights on a
   device plus the K/V of every row at its average length during decode — divided by the
   median time per output token and by the copy bandwidth measured in the same run;
-- `acceptance` (the speculative variant): accepted / proposed draft tokens.
+- `acceptance` (the speculative variant): accepted / proposed draft tokens;
+- `adapters` (the LoRA variant): distinct LoRA adapters spread over the batch (random, rank
+  `LORA_RANK` on every projection; 0: LoRA on, every request on the base model), at the
+  second largest batch only (at least one request per slot).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype":
                                                   "prompt_lookup_max": 4,
                                                   "prompt_lookup_min": 2}}}
 SPEC_BATCHES = 2  # the speculative variant runs the first two batch sizes only
+LORA_SLOTS, LORA_RANK = 4, 16
+VARIANTS["lora"] = {"enable_lora": True, "max_loras": LORA_SLOTS, "max_lora_rank": LORA_RANK}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,16 +144,39 @@ def kv_bytes_per_token(engine) -> int:
     return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def run_batch(engine, batch: int, work: Workload, rng) -> dict[str, float]:
-    """`batch` requests at once, to completion: throughput and median latencies."""
+def random_adapters(engine, count: int, rng) -> list:
+    """`count` LoRA adapters of random weights (N(0, 0.02)) for `engine`'s model, every
+    projection at rank `LORA_RANK`, made in host memory (no PEFT folder)."""
+    from jaxserve.lora.adapter import LoRAAdapter
+    from jaxserve.lora.slots import Adapter
+    from jaxserve.model.lora import slot_shapes
+
+    shapes = slot_shapes(engine.model_config, 1, LORA_RANK)  # [L, 1, ...]: drop the slot
+    adapters = []
+    for i in range(count):
+        stacks = {m: tuple((0.02 * rng.standard_normal(s[:1] + s[2:])).astype(np.float32)
+                           for s in pair) for m, pair in shapes.items()}
+        adapters.append(Adapter.loaded(f"random-{i}", i + 1,
+                                       LoRAAdapter("random", LORA_RANK, stacks)))
+    return adapters
+
+
+def run_batch(engine, batch: int, work: Workload, rng, loras: list | None = None
+              ) -> dict[str, float]:
+    """`batch` requests at once, to completion: throughput and median latencies. `loras`:
+    adapters given to the requests in turn."""
     from jaxserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=work.new_tokens, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     before = engine.metrics.snapshot()["counters"]
     started = time.monotonic()
-    seqs = [engine.add_request(f"b{batch}-{i}", rng.integers(3, vocab, work.prompt_len).tolist(),
-                               params) for i in range(batch)]
+    seqs = []
+    for i in range(batch):
+        seqs.append(engine.make_sequence(
+            f"b{batch}-{i}", rng.integers(3, vocab, work.prompt_len).tolist(), params,
+            lora=loras[i % len(loras)] if loras else None))
+        engine.enqueue(seqs[-1])
     while engine.has_unfinished():
         engine.step()
     wall = time.monotonic() - started
@@ -186,18 +214,24 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
             add({"variant": variant, "error": error_text(err)})
             continue
-        batches = work.batches[:SPEC_BATCHES] if "speculative_config" in overrides \
-            else work.batches
-        for batch in batches:
+        runs = [(batch, None) for batch in work.batches]
+        if "speculative_config" in overrides:
+            runs = runs[:SPEC_BATCHES]
+        if overrides.get("enable_lora"):
+            adapters = random_adapters(engine, LORA_SLOTS, rng)
+            batch = max(work.batches[-2], LORA_SLOTS)  # room for every adapter
+            runs = [(batch, adapters[:count]) for count in (0, 1, LORA_SLOTS)]
+        for batch, loras in runs:
             row = {"variant": variant, "batch": batch, "prompt_len": work.prompt_len,
                    "new_tokens": work.new_tokens, "weight_bytes": weight_bytes,
                    "build_s": round(build_s, 1),
-                   "options": {k: used[k] for k in sorted(used) if k in options}}
+                   "options": {k: used[k] for k in sorted(used) if k in options},
+                   **({} if loras is None else {"adapters": len(loras)})}
             if time.perf_counter() > deadline:
                 add({**row, "skipped": "time budget spent"})
                 continue
             try:
-                numbers = run_batch(engine, batch, work, rng)
+                numbers = run_batch(engine, batch, work, rng, loras)
             except Exception as err:  # noqa: BLE001 - recorded, the run goes on
                 add({**row, "error": error_text(err)})
                 continue

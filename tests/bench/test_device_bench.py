@@ -29,8 +29,9 @@ def test_quick_run_writes_every_section(tmp_path):
     assert timings and all(row["gbps"] > 0 for row in timings), timings
 
     serving = data["serving"]
-    assert {(row["variant"], row["batch"]) for row in serving} == {
-        (variant, batch) for variant in ("bf16", "int8_fp8kv", "ngram_spec") for batch in (1, 4)}
+    assert {(row["variant"], row["batch"], row.get("adapters")) for row in serving} == {
+        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec")
+        for batch in (1, 4)} | {("lora", 4, count) for count in (0, 1, 4)}
     assert all(0 <= row["acceptance"] <= 1 for row in serving if row["variant"] == "ngram_spec")
     for row in serving:
         assert row["output_tok_s"] > 0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0
