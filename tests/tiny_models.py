@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -136,3 +138,25 @@ def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **o
     model.save_pretrained(folder)
     build_tokenizer(folder)
     return model
+
+
+def on_grid(shape, method: str, rng) -> np.ndarray:
+    """Random weights that quantization `method` stores exactly: each row's largest |value|
+    is the top code times 2^-9 and every value a code times 2^-9 (rows are output channels)."""
+    if method == "int8":
+        codes = rng.integers(-127, 128, size=shape).astype(np.float32)
+        codes[:, 0] = 127.0
+    else:
+        codes = np.clip(rng.normal(scale=60.0, size=shape), -448, 448).astype(
+            ml_dtypes.float8_e4m3fn).astype(np.float32)
+        codes[:, 0] = 448.0
+    return codes * 2.0 ** -9
+
+
+def put_on_grid(hf_model, method: str, seed: int = 0) -> None:
+    """Every Linear weight and the embedding of `hf_model` moved onto the method's grid."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if param.ndim == 2:  # [out, in] kernels and the [V, E] embedding
+                param.copy_(torch.from_numpy(on_grid(tuple(param.shape), method, rng)))

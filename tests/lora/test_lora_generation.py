@@ -15,7 +15,7 @@ import pytest
 from jaxserve import LLM, LoRARequest, SamplingParams
 from peft_adapters import ADAPTERS, reference_tokens, write_adapter
 from sweeps import sweep
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE, build_model, put_on_grid
 
 MAX_TOKENS = 12
 PROMPTS = [[5 + (7 * i + 3 * p) % 300 for i in range(40 + p)] for p in range(2)]
@@ -54,3 +54,23 @@ def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras,
         assert output.outputs[0].token_ids == expected[name][i % 2], (i, name)
     assert llm.engine.runner.compiles_after_warmup == 0
 
+
+
+@pytest.mark.parametrize("method", sweep(["int8", "fp8"], keep={0}))
+def test_float_adapters_on_quantized_base_weights(tmp_path, method):
+    """int8 / fp8 base weights with float adapters: on weights the method stores exactly,
+    the tokens are transformers + peft's on the float weights."""
+    hf = build_model("llama", tmp_path / "base")
+    put_on_grid(hf, method)
+    hf.save_pretrained(tmp_path / "base")
+    write_adapter(tmp_path / "base", tmp_path / "adapter", 0, **ADAPTERS["everything"])
+    expected = reference_tokens(tmp_path / "base", tmp_path / "adapter", PROMPTS, MAX_TOKENS)
+    llm = LLM(str(tmp_path / "base"), dtype="float32", progress=False, quantization=method,
+              enable_lora=True, max_lora_rank=8, **SMALL_ENGINE)
+    stored = llm.model.layers[0].attn.q_proj[...].dtype
+    assert stored.name == {"int8": "int8", "fp8": "float8_e4m3fn"}[method]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                          ignore_eos=True),
+                           lora_request=LoRARequest("everything", 1, str(tmp_path / "adapter")))
+    assert [o.outputs[0].token_ids for o in outputs] == expected

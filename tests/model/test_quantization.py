@@ -23,7 +23,7 @@ from jaxserve.model.config import WeightQuantization, load_config, with_quantiza
 from jaxserve.model.dense_generation import DenseGenerator
 from jaxserve.model.quantization import project, quantize, quantize_on_host
 from jaxserve.server.prometheus import PrometheusMetrics
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE, build_model, put_on_grid
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]
 FP8 = ml_dtypes.float8_e4m3fn
@@ -99,34 +99,12 @@ def test_quantized_matmul_equals_numpy(method):
     np.testing.assert_allclose(both, np.einsum("te,ehd->thd", real_x, real_w), atol=1e-4)
 
 
-def _on_grid(shape, method, rng):
-    """Random weights that the method stores exactly: each row's largest |value| is the
-    top code times 2^-9 and every value a code times 2^-9 (rows are output channels)."""
-    if method == "int8":
-        codes = rng.integers(-127, 128, size=shape).astype(np.float32)
-        codes[:, 0] = 127.0
-    else:
-        codes = np.clip(rng.normal(scale=60.0, size=shape), -448, 448).astype(FP8)
-        codes = codes.astype(np.float32)
-        codes[:, 0] = 448.0
-    return codes * 2.0 ** -9
-
-
-def _put_on_grid(hf_model, method, seed=0):
-    """Every Linear weight and the embedding of `hf_model` moved onto the method's grid."""
-    rng = np.random.default_rng(seed)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if param.ndim == 2:  # [out, in] kernels and the [V, E] embedding
-                param.copy_(torch.from_numpy(_on_grid(tuple(param.shape), method, rng)))
-
-
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_weights_on_the_grid_give_transformers_logits(tmp_path, method):
     """Quantizing weights that are exactly representable loses nothing: the quantized model
     computes transformers' logits (float32, same tolerance as the unquantized parity test)."""
     hf = build_model("llama", tmp_path)
-    _put_on_grid(hf, method)
+    put_on_grid(hf, method)
     hf.save_pretrained(tmp_path)
     cfg = with_quantization(load_config(tmp_path), method)
     model = load_weights(tmp_path, cfg, jnp.float32, progress=False)
