@@ -13,7 +13,6 @@ import pytest
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from peft_adapters import ADAPTERS, reference_tokens, write_adapter
-from sweeps import sweep
 from tiny_models import SMALL_ENGINE, build_model, put_on_grid
 
 MAX_TOKENS = 12
@@ -35,7 +34,8 @@ def models(tmp_path_factory):
     return base, adapters, expected
 
 
-@pytest.mark.parametrize("max_loras, tp", sweep([(2, 1), (2, 4)], keep={0}))
+@pytest.mark.slow  # the main suite's LoRA parity runs over HTTP (test_lora_server.py)
+@pytest.mark.parametrize("max_loras, tp", [(2, 1), (2, 4)])
 def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras, tp):
     base, adapters, expected = models
     assert expected["attn"] != expected[None] != expected["everything"]  # each one matters
@@ -55,7 +55,8 @@ def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras,
 
 
 
-@pytest.mark.parametrize("method", sweep(["int8", "fp8"], keep={0}))
+@pytest.mark.slow  # CI's slow step
+@pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_float_adapters_on_quantized_base_weights(tmp_path, method):
     """int8 / fp8 base weights with float adapters: on weights the method stores exactly,
     the tokens are transformers + peft's on the float weights."""

@@ -47,6 +47,10 @@ BASES = {  # a valid, cheap body per endpoint; fuzzing changes it
                              "max_tokens": 2, "logprobs": True},  # top_logprobs is used
     "/tokenize": {"model": NAME, "prompt": "ok"},
     "/detokenize": {"model": NAME, "tokens": [5, 6]},
+    # LoRA routes: this server runs without --enable-lora, so they refuse (400) once the
+    # body validates; tests/server/test_lora_server.py covers them with adapters
+    "/v1/load_lora_adapter": {"lora_name": "fuzz", "lora_path": "no-such-folder"},
+    "/v1/unload_lora_adapter": {"lora_name": "fuzz"},
 }
 
 OPENAPI = create_app(ServerState(ServerOptions(model=NAME))).openapi()
