@@ -4,7 +4,9 @@
 - `adapter`: a PEFT folder read and checked into per-module stacks padded to the engine's
   `max_lora_rank` (plain numpy: host memory holds every loaded adapter);
 - `slots`: which adapter each of the `max_loras` device slots holds, in use by whom, and
-  which to load next (least recently used first); the scheduler asks it at admission.
+  which to load next (least recently used first); the scheduler asks it at admission;
+- `registry`: the adapters an engine has read, by name (the server loads and unloads them);
+- `stacks`: the slots' arrays on the device, placed like their base projections.
 
 The arithmetic on the device is `jaxserve.model.lora`; the engine (`Runner.load_lora`)
 writes an adapter into its slot with one compiled program, so any mix of adapters runs on
