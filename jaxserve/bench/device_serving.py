@@ -149,13 +149,15 @@ def random_adapters(engine, count: int, rng) -> list:
     projection at rank `LORA_RANK`, made in host memory (no PEFT folder)."""
     from jaxserve.lora.adapter import LoRAAdapter
     from jaxserve.lora.slots import Adapter
-    from jaxserve.model.lora import slot_shapes
+    from jaxserve.model.lora import module_sizes
 
-    shapes = slot_shapes(engine.model_config, 1, LORA_RANK)  # [L, 1, ...]: drop the slot
+    layers = engine.model_config.num_layers
     adapters = []
     for i in range(count):
-        stacks = {m: tuple((0.02 * rng.standard_normal(s[:1] + s[2:])).astype(np.float32)
-                           for s in pair) for m, pair in shapes.items()}
+        stacks = {m: tuple((0.02 * rng.standard_normal(shape)).astype(np.float32)
+                           for shape in ((layers, size_in, LORA_RANK),
+                                         (layers, LORA_RANK, size_out)))
+                  for m, (size_in, size_out) in module_sizes(engine.model_config).items()}
         adapters.append(Adapter.loaded(f"random-{i}", i + 1,
                                        LoRAAdapter("random", LORA_RANK, stacks)))
     return adapters
