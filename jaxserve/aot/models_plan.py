@@ -66,6 +66,8 @@ def resolve_entries(path: str | Path) -> tuple[Target, list[PlannedEntry]]:
     resolved = []
     for entry in read_models_file(path):
         where = f"{path.name}: {entry.pinned_id}"
+        if entry.is_adapter:
+            continue  # its base's engine, whose plan counts the LoRA slots
         if entry.config is None:
             raise ValueError(f"{where}: config: planning needs a TPU/GPU preset for every "
                              "entry (the target and the memory budget come from it)")

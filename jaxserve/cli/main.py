@@ -192,9 +192,15 @@ def _models_file_options(args: argparse.Namespace):
         raise ValueError(f"--models takes each model's settings from the file; drop {given}")
     if multihost.is_multiprocess():
         raise ValueError("--models runs on one host; a multi-host slice serves one --model")
-    for entry in read_models_file(args.models, jax.local_device_count()):
+    entries = read_models_file(args.models, jax.local_device_count())
+    for entry in entries:
+        if entry.is_adapter:
+            continue  # checked with its base
+        adapters = tuple((a.pinned_id, a.lora_path) for a in entries
+                         if a.base == entry.pinned_id)
         try:
-            _check_before_serving(entry.path, entry.dtype, entry.config, entry.options())
+            _check_before_serving(entry.path, entry.dtype, entry.config, entry.options(),
+                                  adapters)
         except ValueError as err:
             raise ValueError(f"{args.models}: {entry.pinned_id}: {err}") from None
     return ServerOptions(models_file=args.models)
@@ -226,17 +232,18 @@ def _check_before_serving(model: str, dtype: str | None, config: str | None,
     becomes healthy."""
     from jaxserve.engine.engine import engine_mesh
     from jaxserve.llm import resolve_settings
-    from jaxserve.lora.adapter import read_adapter_config
+    from jaxserve.lora.adapter import adapter_folder, read_adapter_config
 
     engine_config = resolve_settings(model, dtype, config, options).engine_config
     engine_mesh(engine_config)
     if lora_modules and not engine_config.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+        raise ValueError(f"LoRA adapters ({', '.join(n for n, _ in lora_modules)}) need "
+                         f"enable_lora (--enable-lora)")
     for name, path in lora_modules:
         try:
-            read_adapter_config(Path(path))
+            read_adapter_config(adapter_folder(path))
         except ValueError as err:
-            raise ValueError(f"--lora-modules {name}: {err}") from None
+            raise ValueError(f"LoRA adapter {name}: {err}") from None
 
 
 def lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:

@@ -276,17 +276,31 @@ class Engine:
     def load_lora(self, request: LoRARequest) -> Adapter:
         """Read an adapter's folder into host memory (once per name; thread-safe). It reaches
         a device slot when a request using it is admitted."""
+        return self._adapter_registry().add(request)
+
+    def load_lora_folder(self, name: str, path: str, replace: bool = False) -> Adapter:
+        """`load_lora` with an unused `lora_int_id` chosen here (the server's adapters have
+        names; `AdapterRegistry.add_folder`)."""
+        return self._adapter_registry().add_folder(name, path, replace)
+
+    def _adapter_registry(self) -> AdapterRegistry:
         if self.loras is None:
             raise ValueError("this engine was started without enable_lora")
-        return self.loras.add(request)
+        return self.loras
 
     def unload_lora(self, name: str) -> bool:
-        """Forget an adapter (thread-safe); requests already using it finish with it. False
-        if no adapter has that name."""
-        adapter = None if self.loras is None else self.loras.remove(name)
+        """Forget the adapter called `name` (thread-safe); requests already using it finish
+        with it. False if no adapter has that name."""
+        adapter = None if self.loras is None else self.loras.get(name)
         if adapter is not None:
-            self._inbox.put(("forget_lora", adapter))
+            self.forget_lora(adapter)
         return adapter is not None
+
+    def forget_lora(self, adapter: Adapter) -> None:
+        """Forget this load of an adapter: its name, if it still names it, and the slots it
+        holds once no sequence uses them."""
+        self.loras.remove(adapter)
+        self._inbox.put(("forget_lora", adapter))
 
     def lora_requests(self) -> tuple[list[str], list[str]]:
         """Names of the adapters running sequences use and of those only waiting sequences

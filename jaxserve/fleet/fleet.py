@@ -13,7 +13,9 @@ A reload (`SIGHUP` or `POST /admin/reload`) re-reads the file and never fails a 
 4. versions no longer in the file (or replaced) take no new requests, finish those in
    flight, then stop and free their device memory, on a background thread each.
 A version that only changed weight, fallback or queue limit keeps its engine. A version whose
-engine failed is loaded anew by a reload of the same file.
+engine failed is loaded anew by a reload of the same file. An adapter version (`base` and
+`lora_path`) is loaded after the model versions, onto its base's engine; it is kept while its
+base and folder are, and loaded anew onto a base that was.
 
 A `Timeline` records each phase with its time since the reload began (load, loaded with the
 weights' and warm-up's seconds, switch, drain, freed), which `POST /admin/reload` returns and
@@ -30,7 +32,7 @@ from typing import Callable
 from jaxserve.fleet.device_turns import DeviceTurns
 from jaxserve.fleet.models_file import ModelEntry
 from jaxserve.fleet.routing import ModelRouter, RoutingTable
-from jaxserve.fleet.served_model import ServedModel
+from jaxserve.fleet.served_model import AdapterVersion, ServedModel
 from jaxserve.llm import LLM
 from jaxserve.server.prometheus import PrometheusMetrics
 
@@ -77,21 +79,28 @@ class ModelFleet:
         loaded = self._load(entries, Timeline())
         self.router.publish(RoutingTable([(loaded[e.pinned_id], e) for e in entries]))
 
-    def _load(self, entries: list[ModelEntry], timeline: Timeline
-              ) -> dict[str, ServedModel]:
-        """Load `entries` in order; on a failure release those loaded and raise."""
+    def _load(self, entries: list[ModelEntry], timeline: Timeline,
+              kept: dict[str, ServedModel] | None = None) -> dict[str, ServedModel]:
+        """Load `entries`, model versions in order, then adapter versions onto their bases
+        (loaded here or `kept`); on a failure release those loaded and raise."""
         loaded: dict[str, ServedModel] = {}
-        for entry in entries:
+        for entry in sorted(entries, key=lambda e: e.is_adapter):
             timeline.mark("load", entry.pinned_id)
             try:
-                served = ServedModel.load(entry, self.build, self.max_waiting, self.turns,
-                                          self._engine_failed)
+                if entry.is_adapter:
+                    base = loaded.get(entry.base) or kept[entry.base]
+                    served = AdapterVersion.attach(entry, base)
+                else:
+                    served = ServedModel.load(entry, self.build, self.max_waiting,
+                                              self.turns, self._engine_failed)
             except Exception as err:
-                for done in loaded.values():
-                    self.metrics.detach(done.llm.engine, self.public_id(done))
+                for done in reversed(loaded.values()):  # adapters before their bases
+                    if done.adapter is None:
+                        self.metrics.detach(done.llm.engine, self.public_id(done))
                     done.close()
                 raise ReloadError(f"{entry.pinned_id} failed to load: {err}") from err
-            self.metrics.attach(served.llm.engine, self.public_id(served))
+            if not entry.is_adapter:  # an adapter version's engine is its base's
+                self.metrics.attach(served.llm.engine, self.public_id(served))
             timeline.mark("loaded", entry.pinned_id, weights_s=round(served.load_seconds, 2),
                           warm_up_s=round(served.warm_up_seconds, 2))
             loaded[entry.pinned_id] = served
@@ -110,7 +119,10 @@ class ModelFleet:
                     if e.pinned_id in current and current[e.pinned_id].failure is None
                     and current[e.pinned_id].entry.engine_definition()
                     == e.engine_definition()}
-            loaded = self._load([e for e in entries if e.pinned_id not in kept], timeline)
+            kept = {pinned: served for pinned, served in kept.items()  # and their bases
+                    if not served.entry.is_adapter or served.entry.base in kept}
+            loaded = self._load([e for e in entries if e.pinned_id not in kept], timeline,
+                                kept)
             serving = {**kept, **loaded}
             self.router.publish(RoutingTable([(serving[e.pinned_id], e) for e in entries]))
             for entry in entries:
@@ -134,7 +146,8 @@ class ModelFleet:
             served.drain_and_close()
             with self._draining_lock:
                 self.draining = tuple(s for s in self.draining if s is not served)
-            self.metrics.detach(served.llm.engine, self.public_id(served))
+            if served.adapter is None:
+                self.metrics.detach(served.llm.engine, self.public_id(served))
             timeline.mark("freed", served.pinned_id)
 
         thread = threading.Thread(target=drain, name=f"jaxserve-drain-{served.pinned_id}",
@@ -160,6 +173,8 @@ class ModelFleet:
     def close(self) -> None:
         """Stop every engine thread (the server is shutting down)."""
         for served in list(self.table.served) if self.table else []:
+            if served.adapter is not None:
+                continue  # its engine is its base's
             served.engine.stop()
             served.llm.engine.shutdown()
 

@@ -10,6 +10,18 @@
     max_num_seqs = 32            # optional engine options, as in presets and `LLM(...)`
     fallback = "austen@1"        # optional: who answers when this one cannot
 
+    [[models]]                   # a version that is another one plus a LoRA adapter
+    name = "austen"
+    version = "3"
+    base = "austen@2"            # the pinned id of a model entry of this file (enable_lora)
+    lora_path = "adapters/v3"    # a PEFT folder
+    weight = 5
+
+An adapter version shares its base's engine, queue and device memory: it has no `path`,
+preset, dtype or engine options of its own, and every request routed to it runs with its
+adapter (vLLM's LoRA batching, `jaxserve.lora`). So a canary of a fine-tune costs one adapter
+slot, not a second copy of the model.
+
 Conventions follow TF Serving's model repository (a name, numbered versions, one served id
 per version) and KServe's canary split (a traffic weight per version). Relative `path` and
 `config` are resolved against the folder of the models file, so a file and the models beside
@@ -35,7 +47,8 @@ from jaxserve.presets import read_toml, shipped_presets
 ENGINE_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # entry fields that are not engine options (`devices` is both: it goes to the engine)
 ENTRY_FIELDS = frozenset({"name", "version", "path", "weight", "config", "fallback", "dtype",
-                          "max_waiting_requests"})
+                          "max_waiting_requests", "base", "lora_path"})
+ADAPTER_FIELDS = frozenset({"name", "version", "weight", "fallback", "base", "lora_path"})
 DEFAULT_WEIGHT = 100
 
 
@@ -53,17 +66,26 @@ class ModelEntry:
     max_waiting_requests: int | None = None  # None: the server's --max-waiting-requests
     engine_options: tuple[tuple[str, Any], ...] = ()  # sorted (option, value) pairs
     aliases: tuple[str, ...] = ()  # other names that reach this entry (--served-model-name)
+    base: str | None = None  # an adapter version: its base's pinned id, and the adapter's
+    lora_path: str | None = None  # PEFT folder (`path` is then empty)
 
     @property
     def pinned_id(self) -> str:
         return f"{self.name}@{self.version}"
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
 
     def options(self) -> dict[str, Any]:
         return dict(self.engine_options)
 
     def engine_definition(self) -> tuple:
         """What the engine is built from: entries that agree on it can keep one running
-        engine across a reload (weight, fallback and queue limit change without a reload)."""
+        engine across a reload (weight, fallback and queue limit change without a reload).
+        An adapter version's is its base and folder (it also reloads when its base does)."""
+        if self.is_adapter:
+            return (self.base, self.lora_path)
         return (self.path, self.config, self.dtype, self.engine_options)
 
 
@@ -101,6 +123,12 @@ def check_entries(entries: list[ModelEntry], source: str) -> None:
             raise ValueError(f"{source}: models[{i}] repeats the pinned id {entry.pinned_id!r} "
                              f"of models[{seen[entry.pinned_id]}] (same name and version)")
         seen[entry.pinned_id] = i
+    models = {e.pinned_id for e in entries if not e.is_adapter}
+    for i, entry in enumerate(entries):
+        if entry.is_adapter and entry.base not in models:
+            raise ValueError(f"{source}: models[{i}] ({entry.pinned_id}).base {entry.base!r} "
+                             f"is not the pinned id of a model entry (one with a path) in "
+                             f"this file; model entries: {sorted(models)}")
     by_name: dict[str, list[ModelEntry]] = {}
     for entry in entries:
         by_name.setdefault(entry.name, []).append(entry)
@@ -158,20 +186,16 @@ def _entry(table: Any, where: str, base: Path, num_devices: int | None) -> Model
         version = str(version)
     version = _identifier(version, f"{where}.version")
     where = f"{where} ({name}@{version})"
+    if "base" in table or "lora_path" in table:
+        return _adapter_entry(table, where, name, version, base)
     path = table.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}.path: a model folder is required")
-    weight = table.get("weight", DEFAULT_WEIGHT)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        raise ValueError(f"{where}.weight must be a number >= 0, got {weight!r}")
+    weight = _weight(table, where)
     config = table.get("config")
     if config is not None and not isinstance(config, str):
         raise ValueError(f"{where}.config must be a preset's name or file path")
-    fallback = table.get("fallback")
-    if fallback is not None and (not isinstance(fallback, str) or not fallback):
-        raise ValueError(f"{where}.fallback must be a model name or pinned id")
-    if fallback in (name, f"{name}@{version}"):
-        raise ValueError(f"{where}.fallback names the entry itself ({fallback!r})")
+    fallback = _fallback(table, where, name, version)
     dtype = table.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise ValueError(f"{where}.dtype must be a string")
@@ -188,6 +212,39 @@ def _entry(table: Any, where: str, base: Path, num_devices: int | None) -> Model
                       config=_resolve(config, base, shipped_presets()) if config else None,
                       dtype=dtype, fallback=fallback, max_waiting_requests=waiting,
                       engine_options=tuple(sorted(options.items())))
+
+
+def _adapter_entry(table: dict, where: str, name: str, version: str, folder: Path
+                   ) -> ModelEntry:
+    """An entry with `base` and `lora_path`: a model entry's engine plus a LoRA adapter."""
+    others = sorted(set(table) - ADAPTER_FIELDS)
+    if others:
+        raise ValueError(f"{where}: {others} cannot be set on an adapter version (one with "
+                         f"`base` and `lora_path`): it runs on its base's engine; its "
+                         f"fields: {sorted(ADAPTER_FIELDS)}")
+    for field in ("base", "lora_path"):
+        if not isinstance(table.get(field), str) or not table[field]:
+            raise ValueError(f"{where}.{field}: an adapter version needs both `base` (a "
+                             f"pinned id) and `lora_path` (a PEFT folder)")
+    return ModelEntry(name=name, version=version, path="", weight=_weight(table, where),
+                      fallback=_fallback(table, where, name, version), base=table["base"],
+                      lora_path=_resolve(table["lora_path"], folder))
+
+
+def _weight(table: dict, where: str) -> float:
+    weight = table.get("weight", DEFAULT_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+        raise ValueError(f"{where}.weight must be a number >= 0, got {weight!r}")
+    return weight
+
+
+def _fallback(table: dict, where: str, name: str, version: str) -> str | None:
+    fallback = table.get("fallback")
+    if fallback is not None and (not isinstance(fallback, str) or not fallback):
+        raise ValueError(f"{where}.fallback must be a model name or pinned id")
+    if fallback in (name, f"{name}@{version}"):
+        raise ValueError(f"{where}.fallback names the entry itself ({fallback!r})")
+    return fallback
 
 
 def _identifier(value: Any, where: str) -> str:

@@ -6,6 +6,10 @@ from the cache) → serving → `retire` (no new requests; a reload removed or r
 drained (its in-flight requests finished) → `close` (engine thread stopped, device memory
 deleted). A version whose engine gave up stays `failed` until a reload replaces it; the
 router sends its requests to its fallback meanwhile.
+
+An `AdapterVersion` (a models-file entry with `base` and `lora_path`) is a base version's
+engine plus a LoRA adapter: it loads only the adapter's folder, and releasing it forgets the
+adapter, never the base's engine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Callable
 from jaxserve.fleet.device_turns import DeviceTurns
 from jaxserve.fleet.models_file import ModelEntry
 from jaxserve.llm import LLM
+from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
 
 log = logging.getLogger("jaxserve.fleet")
@@ -39,6 +44,7 @@ class ServedModel:
         self.warm_up_seconds = sum(r.runner.warm_up_seconds for r in llm.engine.replicas)
         self.load_seconds = load_seconds - self.warm_up_seconds  # weights, before warm-up
         self.failure: str | None = None  # why its engine gave up
+        self.adapter: Adapter | None = None  # what every request it answers runs with
         self._closed = threading.Event()
 
     @classmethod
@@ -100,3 +106,53 @@ class ServedModel:
         self.seat.leave()
         self.llm.engine.shutdown()
         self.llm.engine.release()
+
+
+class AdapterVersion(ServedModel):
+    """A version served by another version's engine with a LoRA adapter: requests routed
+    here run on `base`'s engine and queue with `adapter`."""
+
+    def __init__(self, entry: ModelEntry, base: ServedModel, adapter: Adapter,
+                 load_seconds: float):
+        self.entry, self.base, self.adapter = entry, base, adapter
+        self.llm, self.engine, self.seat = base.llm, base.engine, base.seat
+        self.device_ids = base.device_ids
+        self.load_seconds, self.warm_up_seconds = load_seconds, 0.0
+        self._closed = threading.Event()
+
+    @classmethod
+    def attach(cls, entry: ModelEntry, base: ServedModel) -> "AdapterVersion":
+        """Read `entry`'s adapter folder for `base`'s engine (`ValueError` naming what is
+        wrong: no `enable_lora` on the base, a folder that does not fit its model)."""
+        started = time.perf_counter()
+        engine = base.llm.engine
+        if engine.loras is None:
+            raise ValueError(f"base {base.pinned_id} runs without enable_lora; an adapter "
+                             f"version needs it (and max_loras, max_lora_rank) on its base")
+        adapter = engine.load_lora_folder(entry.pinned_id, entry.lora_path, replace=True)
+        log.info("%s ready: %s on %s", entry.pinned_id, entry.lora_path, base.pinned_id)
+        return cls(entry, base, adapter, time.perf_counter() - started)
+
+    @property
+    def failure(self) -> str | None:
+        return self.base.failure  # the base's engine is this version's
+
+    @property
+    def model_dir(self) -> Path:
+        return self.base.model_dir
+
+    def update(self, entry: ModelEntry, max_waiting: int) -> None:
+        self.entry = entry  # the queue limit is the base's
+
+    def retire(self) -> None:
+        """Nothing to refuse: the base's engine serves on; the new table no longer routes
+        here, and a request that chose this version a moment ago still runs with its
+        adapter."""
+
+    def drain_and_close(self) -> None:
+        self.close()  # its requests finish with the adapter after it is forgotten
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self.llm.engine.forget_lora(self.adapter)

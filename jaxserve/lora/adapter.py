@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import sharding
+from jaxserve.loading.hub import resolve_model
 from jaxserve.loading.weights import mapped_tensors
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.lora import LORA_MODULES, module_sizes
@@ -49,6 +50,15 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
+
+
+def adapter_folder(path: str | Path) -> Path:
+    """The PEFT folder `path` names: a folder, or a Hub id's snapshot (ORG/NAME[@REVISION],
+    downloaded unless offline), as vLLM takes adapters."""
+    try:
+        return resolve_model(path)
+    except ValueError as err:
+        raise ValueError(f"lora_path: {err}") from None
 
 
 def read_adapter_config(folder: Path) -> dict:
@@ -88,7 +98,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int,
     """The adapter in PEFT folder `path`, for a base model of config `cfg` as stored on the
     mesh (kv heads repeated when tensor parallelism exceeds them: the adapter's k/v columns
     are repeated the same way), padded to rank `max_lora_rank`."""
-    folder = Path(path)
+    folder = adapter_folder(path)
     config = read_adapter_config(folder)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
@@ -135,7 +145,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int,
         stacks[module][0][layer, :, :r] = a.T
         stacks[module][1][layer, :r, :] = b.T * scale_of[r]
         rank = max(rank, r)
-    return LoRAAdapter(str(folder), rank, stacks)
+    return LoRAAdapter(str(path), rank, stacks)
 
 
 def _repeated_kv_heads(b: np.ndarray, cfg: ModelConfig, tensor_parallel_size: int

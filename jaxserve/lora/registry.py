@@ -4,6 +4,7 @@ engine steps)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from jaxserve.lora.adapter import load_adapter
@@ -22,36 +23,51 @@ class AdapterRegistry:
         self.tensor_parallel_size = tensor_parallel_size
         self._adapters: dict[str, Adapter] = {}
         self._lock = threading.Lock()
+        self._server_ids = itertools.count(1)  # lora_int_id candidates for `add_folder`
 
-    def add(self, request: LoRARequest) -> Adapter:
+    def add_folder(self, name: str, path: str, replace: bool = False) -> Adapter:
+        """Load the PEFT folder `path` as `name` with an id no loaded adapter has (the server
+        names adapters, clients do not number them); see `add`."""
+        with self._lock:
+            used = {a.int_id for a in self._adapters.values()}
+            int_id = next(i for i in self._server_ids if i not in used)
+        return self.add(LoRARequest(name, int_id, path), replace)
+
+    def add(self, request: LoRARequest, replace: bool = False) -> Adapter:
         """The adapter `request` names, loading its folder the first time (`ValueError`
-        naming what is wrong with the folder, or a name or id already used otherwise)."""
+        naming what is wrong with the folder, or a name or id already used otherwise).
+        `replace`: a name loaded from another folder takes the new one (a models-file version
+        whose `lora_path` changed); sequences using the old load finish with it."""
         with self._lock:
             known = self._adapters.get(request.lora_name)
-            if known is not None:
+            if known is not None and not replace:
                 if (known.int_id, known.weights.path) != (request.lora_int_id,
                                                           request.lora_path):
                     raise ValueError(f"a LoRA adapter named {request.lora_name!r} is already "
                                      f"loaded from {known.weights.path!r} (id "
                                      f"{known.int_id}); unload it first")
                 return known
-            clash = next((a for a in self._adapters.values()
-                          if a.int_id == request.lora_int_id), None)
+            clash = next((a for a in self._adapters.values() if a.int_id
+                          == request.lora_int_id and a.name != request.lora_name), None)
             if clash is not None:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already used by the "
                                  f"adapter {clash.name!r}")
         weights = load_adapter(request.lora_path, self.cfg, self.max_lora_rank,
                                self.tensor_parallel_size)  # outside the lock: seconds
+        adapter = Adapter.loaded(request.lora_name, request.lora_int_id, weights)
         with self._lock:
-            adapter = self._adapters.setdefault(
-                request.lora_name, Adapter.loaded(request.lora_name, request.lora_int_id,
-                                                  weights))
-        return adapter
+            if replace:
+                self._adapters[request.lora_name] = adapter
+            return self._adapters.setdefault(request.lora_name, adapter)
 
-    def remove(self, name: str) -> Adapter | None:
-        """Forget an adapter (None if unknown); sequences already using it finish with it."""
+    def remove(self, adapter: Adapter) -> bool:
+        """Forget this load of an adapter, if its name still names it; sequences already
+        using it finish with it."""
         with self._lock:
-            return self._adapters.pop(name, None)
+            if self._adapters.get(adapter.name) is not adapter:
+                return False
+            del self._adapters[adapter.name]
+            return True
 
     def get(self, name: str) -> Adapter | None:
         with self._lock:

@@ -185,7 +185,8 @@ def create_app(state: ServerState) -> FastAPI:
             answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
                          and lora is None else body.model or served.entry.name)
             try:
-                job = await admit(served, body, build, answer_as, given_id, lora)
+                job = await admit(served, body, build, answer_as, given_id,
+                                  lora or served.adapter)
                 break
             except RetiredError:  # removed by a reload a moment ago: the new table decides
                 chosen = route(model)
@@ -239,11 +240,14 @@ def model_cards(state: ServerState) -> list[dict]:
               for alias, name in table.aliases.items()]
     if state.fleet.pinned_ids:
         cards += [card(s.pinned_id, s, parent=s.entry.name, weight=table.weight(s),
-                       status="failed" if s.failure else "ready") for s in table.served]
+                       status="failed" if s.failure else "ready",
+                       **({"root": s.entry.lora_path, "base": s.entry.base}
+                          if s.adapter is not None else {})) for s in table.served]
     for served in table.served:  # LoRA adapters, as vLLM lists them
-        registry = served.llm.engine.loras
+        registry = served.llm.engine.loras if served.adapter is None else None
         cards += [card(a.name, served, root=a.weights.path, parent=served.entry.name)
-                  for a in (registry.all() if registry is not None else [])]
+                  for a in (registry.all() if registry is not None else [])
+                  if a.name not in table.pinned]  # adapter versions have their card above
     return cards
 
 

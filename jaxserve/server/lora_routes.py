@@ -78,6 +78,9 @@ def add_lora_routes(app: FastAPI, state: ServerState, dependencies: list) -> Non
         refused = refusal()
         if refused is not None:
             return refused
+        if body.lora_name in state.fleet.table.pinned:
+            return _error(400, f"{body.lora_name!r} is a version of the models file; remove "
+                               "it there and reload", "lora_name")
         if not state.llm.engine.unload_lora(body.lora_name):
             return _error(404, f"no LoRA adapter named {body.lora_name!r} is loaded",
                           "lora_name", "model_not_found")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -17,7 +16,6 @@ from jaxserve.fleet.fleet import ModelFleet
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
-from jaxserve.lora.request import LoRARequest
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.prometheus import PrometheusMetrics
@@ -76,7 +74,6 @@ class ServerState:
         self.fleet = ModelFleet(self.read_entries, build, options.max_waiting_requests,
                                 self.prometheus, options.models_file is not None, self.fail,
                                 options.routing_seed)
-        self._lora_ids = itertools.count(1)  # lora_int_id of each adapter loaded here
         self.fatal_error: str | None = None  # why this server cannot serve; it exits
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
@@ -111,11 +108,13 @@ class ServerState:
 
     def load_lora(self, name: str, path: str) -> Adapter:
         """Read a LoRA adapter for the model (`ValueError` naming what is wrong)."""
-        return self.llm.engine.load_lora(LoRARequest(name, next(self._lora_ids), path))
+        return self.llm.engine.load_lora_folder(name, path)
 
     def find_adapter(self, name: str | None) -> tuple[ServedModel, Adapter] | None:
-        """The served model with a LoRA adapter called `name`, and the adapter."""
-        if name is None or not self.fleet.table:
+        """The served model with a LoRA adapter called `name` (one loaded by
+        `--lora-modules` or the load route; an adapter version of the models file is routed
+        as a version), and the adapter."""
+        if name is None or not self.fleet.table or name in self.fleet.table.ids():
             return None
         for served in self.fleet.table.served:
             registry = served.llm.engine.loras

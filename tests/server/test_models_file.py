@@ -55,6 +55,26 @@ def test_a_good_file(tmp_path):
     assert first.fallback == "austen@1" and entries[2].fallback == "austen"
 
 
+def test_an_adapter_version_names_its_base_and_folder(tmp_path):
+    entries = read_models_file(write(tmp_path, GOOD + """
+[[models]]
+name = "austen"
+version = 3
+base = "austen@1"
+lora_path = "adapters/v3"
+weight = 5
+fallback = "austen@1"
+"""))
+    adapter = entries[-1]
+    assert adapter.is_adapter and not entries[0].is_adapter
+    assert (adapter.base, adapter.weight, adapter.fallback) == ("austen@1", 5, "austen@1")
+    assert adapter.lora_path == "adapters/v3"  # nothing beside the file: a Hub id
+    (tmp_path / "adapters" / "v3").mkdir(parents=True)
+    beside = read_models_file(tmp_path / "models.toml")[-1]
+    assert beside.lora_path == str(tmp_path / "adapters" / "v3")
+    assert adapter.engine_definition() == ("austen@1", adapter.lora_path)
+
+
 def test_presets_by_name_and_hub_ids_are_kept_as_given(tmp_path):
     """A `config` naming a shipped preset and a `path` that is a Hub id stay as written when
     nothing of that name is beside the file; a file beside it wins."""
@@ -155,6 +175,51 @@ weight = -1
 [[models]]
 name = "a"
 """, "path: a model folder is required"),
+    "an adapter on an unknown base": ("""
+[[models]]
+name = "a"
+path = "x"
+[[models]]
+name = "a"
+version = "2"
+base = "a@3"
+lora_path = "adapter"
+""", "models[1] (a@2).base 'a@3' is not the pinned id of a model entry"),
+    "an adapter on an adapter": ("""
+[[models]]
+name = "a"
+path = "x"
+[[models]]
+name = "a"
+version = "2"
+base = "a@1"
+lora_path = "adapter"
+[[models]]
+name = "a"
+version = "3"
+base = "a@2"
+lora_path = "adapter"
+""", "models[2] (a@3).base 'a@2' is not the pinned id of a model entry"),
+    "an adapter with engine options": ("""
+[[models]]
+name = "a"
+path = "x"
+[[models]]
+name = "a"
+version = "2"
+base = "a@1"
+lora_path = "adapter"
+max_num_seqs = 4
+""", "['max_num_seqs'] cannot be set on an adapter version"),
+    "an adapter without its folder": ("""
+[[models]]
+name = "a"
+path = "x"
+[[models]]
+name = "a"
+version = "2"
+base = "a@1"
+""", "models[1] (a@2).lora_path: an adapter version needs both"),
     "no entries": ("", "no [[models]] entries"),
     "not TOML": ("[[models]\n", "invalid TOML"),
 }

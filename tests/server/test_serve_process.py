@@ -179,11 +179,15 @@ def shipped_entry(version: str, preset: Path) -> str:
      "fallback 'b' is not a model name"),
     (["--max-num-seqs", "4"], '[[models]]\nname = "a"\npath = "{missing}"\n',
      "drop ['--max-num-seqs']"),
-], ids=["missing-folder", "unknown-fallback", "flag-with-file"])
+    ([], '[[models]]\nname = "a"\npath = "{shipped}"\n[[models]]\nname = "a"\nversion = "2"\n'
+         'base = "a@1"\nlora_path = "{missing}"\n', "a@1: LoRA adapters (a@2) need enable_lora"),
+], ids=["missing-folder", "unknown-fallback", "flag-with-file", "adapter-without-lora"])
 def test_a_models_file_that_cannot_work_exits_2_before_serving(tmp_path, extra, entries,
                                                                message):
     models = tmp_path / "models.toml"
-    models.write_text(entries.format(missing=tmp_path / "missing"))
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    models.write_text(entries.format(missing=tmp_path / "missing", shipped=DEFAULT_MODEL_DIR))
     process = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--port",
                               str(free_port()), "--models", str(models), *extra],
                              capture_output=True, text=True, timeout=120)
