@@ -438,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (device_bench, load_bench, lora_bench, models_bench,
-                                offline_bench, pool_bench, quality_bench, serve_bench,
-                                speculative_bench, startup_bench, structured_bench)
+    from jaxserve.bench import (device_bench, load_bench, lora_bench, lora_products,
+                                models_bench, offline_bench, pool_bench, quality_bench,
+                                serve_bench, speculative_bench, startup_bench,
+                                structured_bench)
 
     benches = {  # kind → (module with add_arguments and run_from_args, help)
         "serve": (serve_bench, "load-test a running server"),
@@ -450,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "transformers (and vLLM), decode roofline"),
         "lora": (lora_bench, "LoRA adapters: a batch with 0, 1, 2 and N distinct adapters "
                  "beside the base engine, more adapters than slots, a slot write"),
+        "lora-products": (lora_products, "the LoRA delta three ways (masked, gathered, "
+                          "grouped): CPU time and compile-only TPU/GPU flops and bytes"),
         "spec": (speculative_bench, "the engine with and without speculative decoding at "
                                     "several concurrencies: tokens/s, TPOT, acceptance"),
         "pool": (pool_bench, "a single request's decode step at several KV pool sizes "

@@ -251,7 +251,7 @@ class LlamaModel(nnx.Module):
             def one_layer(carry, per_layer):
                 x, cache = carry
                 index, params, lora_stacks = per_layer
-                layer_lora = None if lora is None else LoRABatch(lora_stacks, lora.one_hot)
+                layer_lora = None if lora is None else lora.with_stacks(lora_stacks)
                 x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache,
                                                        layer_lora)
                 return (x, cache), None

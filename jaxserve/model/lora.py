@@ -6,13 +6,18 @@ adapter's scaling). Every token names a slot or none (-1), and a projection's ou
 
     delta[t] = (x[t] @ A[slot[t]]) @ B[slot[t]]
 
-computed for all slots at once and masked by the token's one-hot slot row:
-`x [T, in] @ A [S, in, R] -> [T, S, R]`, times `one_hot [T, S]`, then contracted with
-`B [S, R, out]`. That is a matmul S·R columns wide beside the base projection's `out`
-columns (4 slots of rank 16: 64 columns beside 4,096), with no gather of per-token weights
-and no sorting, so every step keeps its shapes whatever the mix of adapters, and a token
-without an adapter gets exactly zero. Grouped matmuls over rows sorted by slot cost T·R
-instead of T·S·R, which matters only when S·R nears the projection's width.
+computed one of two ways, chosen per program by its token count (a static shape, so nothing
+compiles after warm-up whatever the mix of adapters; a token without an adapter gets exactly
+zero either way):
+- masked, for every program of more than one token: all slots at once, masked by the
+  token's one-hot slot row: `x [T, in] @ A [S, in, R] -> [T, S, R]`, times `one_hot [T, S]`,
+  then contracted with `B [S, R, out]`. A matmul S·R columns wide beside the base
+  projection's `out` (8 slots of rank 16: 128 columns beside 4,096), with no gather and no
+  sort.
+- gathered, for a one-token program (a single request's decode step): that token's A and B
+  alone. Every slot's product would read S times the weights it needs.
+`jaxserve bench lora-products` measures these two and a grouped matmul over rows sorted by
+slot, on CPU and compile-only TPU/GPU targets (docs/lora.md has the figures and why).
 
 The slot stacks shard like their base projection (`LORA_AXES`): B of q/k/v/gate/up splits
 its output columns, A of o/down its input rows, the rank and slot axes stay whole.
@@ -59,32 +64,58 @@ def slot_shapes(cfg: ModelConfig, max_loras: int, max_lora_rank: int
             for m, (size_in, size_out) in module_sizes(cfg).items()}
 
 
+GATHER_MAX_TOKENS = 1  # programs of at most this many tokens gather each token's A and B
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
     """What one forward needs of the adapters: each module's slot stacks (`[L, S, ...]` for
-    the model, one layer's `[S, ...]` inside a layer) and each token's slot as a one-hot row
-    `[..., S]` in the compute dtype (all zeros: no adapter)."""
+    the model, one layer's `[S, ...]` inside a layer), each token's slot `[...]` int32 (-1:
+    no adapter) and the same as a one-hot row `[..., S]` in the compute dtype (all zeros: no
+    adapter)."""
 
     stacks: dict[str, tuple[jax.Array, jax.Array]]
+    slots: jax.Array
     one_hot: jax.Array
 
     @classmethod
     def of(cls, stacks, token_slots: jax.Array, dtype) -> "LoRABatch":
         """`token_slots [...]` int32, -1 for a token without an adapter."""
-        slots = next(iter(stacks.values()))[0].shape[1]
-        return cls(stacks, jax.nn.one_hot(token_slots, slots, dtype=dtype))
+        num_slots = next(iter(stacks.values()))[0].shape[1]
+        return cls(stacks, token_slots, jax.nn.one_hot(token_slots, num_slots, dtype=dtype))
+
+    def with_stacks(self, stacks) -> "LoRABatch":
+        """This batch's tokens with other stacks (one layer's, inside a scan)."""
+        return dataclasses.replace(self, stacks=stacks)
 
     def layer(self, index) -> "LoRABatch":
         """This batch with one layer's stacks (`index` a Python int)."""
-        return LoRABatch(jax.tree.map(lambda w: w[index], self.stacks), self.one_hot)
+        return self.with_stacks(jax.tree.map(lambda w: w[index], self.stacks))
 
     def delta(self, module: str, x: jax.Array) -> jax.Array:
         """One layer's adapter output for `module`: x `[..., in]` -> `[..., out]`."""
         a, b = self.stacks[module]  # [S, in, R], [S, R, out]
-        down = jnp.einsum("...i,sir->...sr", x, a.astype(x.dtype))  # [..., S, R]
-        down = down * self.one_hot[..., None].astype(x.dtype)
-        return jnp.einsum("...sr,sro->...o", down, b.astype(x.dtype))  # [..., out]
+        a, b = a.astype(x.dtype), b.astype(x.dtype)
+        if x.size // x.shape[-1] <= GATHER_MAX_TOKENS:
+            return gathered_delta(x, a, b, self.slots)
+        return masked_delta(x, a, b, self.one_hot.astype(x.dtype))
+
+
+def masked_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> jax.Array:
+    """x `[..., in]`, A `[S, in, R]`, B `[S, R, out]`, one_hot `[..., S]` -> `[..., out]`:
+    every slot's product, masked per token."""
+    down = jnp.einsum("...i,sir->...sr", x, a)  # [..., S, R]
+    return jnp.einsum("...sr,sro->...o", down * one_hot[..., None], b)
+
+
+def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """x `[..., in]`, A `[S, in, R]`, B `[S, R, out]`, slots `[...]` (-1: none) ->
+    `[..., out]`: each token's own A and B."""
+    index = jnp.maximum(slots, 0)  # [...]
+    keep = (slots >= 0).astype(x.dtype)[..., None]  # [..., 1]
+    down = jnp.einsum("...i,...ir->...r", x, a[index]) * keep  # [..., R]
+    return jnp.einsum("...r,...ro->...o", down, b[index])
 
 
 def add_delta(lora: LoRABatch | None, module: str, x: jax.Array, out: jax.Array

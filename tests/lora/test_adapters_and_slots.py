@@ -128,3 +128,25 @@ def test_slots_go_to_the_least_recently_released_adapter_nobody_uses():
     assert table.adapters == [None, a]
     with pytest.raises(RuntimeError, match="released more often"):
         table.release(0)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])  # one token: gathered; more: masked
+def test_the_delta_is_each_tokens_own_adapter(tokens):
+    """`LoRABatch.delta` against a numpy loop over tokens: a token adds its slot's
+    `x @ A @ B`, a token without an adapter (-1) adds exactly nothing."""
+    import jax.numpy as jnp
+
+    from jaxserve.model.lora import LoRABatch
+
+    rng = np.random.default_rng(tokens)
+    a = rng.normal(size=(3, 6, 4)).astype(np.float32)  # [S, in, R]
+    b = rng.normal(size=(3, 4, 5)).astype(np.float32)  # [S, R, out]
+    x = rng.normal(size=(tokens, 6)).astype(np.float32)
+    slots = np.array([2] if tokens == 1 else [0, -1, 2, 1, 1, -1, 0, 2, -1], np.int32)
+    stacks = {"q_proj": (jnp.asarray(a[None]), jnp.asarray(b[None]))}  # one layer
+    batch = LoRABatch.of(stacks, jnp.asarray(slots), jnp.float32).layer(0)
+    want = np.stack([x[t] @ a[s] @ b[s] if s >= 0 else np.zeros(5)
+                     for t, s in enumerate(slots)])
+    got = np.asarray(batch.delta("q_proj", jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[slots < 0].any()
