@@ -91,10 +91,25 @@ ARCHITECTURES = {
         norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4,
                                                             num_experts_per_tok=2)),
+    # Gemma: caps small enough to bend these scores and logits, a query scale that is not
+    # head_dim's, sliding and global layers alternating, prompts longer than the window
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, attn_implementation="eager")),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=12, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=50000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
+    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=12, max_window_layers=1)),
 }
 # Routers get weights this much larger than the rest, so that which experts a token picks
 # (and their weights) changes from token to token and changes the output tokens.
 ROUTER_SCALE = 20.0
+# Weights scaled up per architecture so that a feature bites: Gemma 2's query and key
+# projections, so that scores reach its attention cap (tanh is linear near 0).
+WEIGHT_SCALES = {"gemma2": {"q_proj": 6.0, "k_proj": 6.0}}
 
 
 def build_tokenizer(folder: Path) -> None:
@@ -119,6 +134,7 @@ def is_router(name: str) -> bool:
 def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **overrides):
     """Save a random model of architecture `name` (see ARCHITECTURES) with a tokenizer;
     `overrides` replace config fields."""
+    architecture = name
     config_cls, model_cls, extra = ARCHITECTURES[name]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -129,11 +145,15 @@ def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **o
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    scales = WEIGHT_SCALES.get(architecture, {})
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
             if is_router(name):
                 param.mul_(ROUTER_SCALE)
+            for part, scale in scales.items():
+                if f".{part}." in name:
+                    param.mul_(scale)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     build_tokenizer(folder)

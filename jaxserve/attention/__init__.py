@@ -53,6 +53,8 @@ def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages
     backend)."""
     platform = platform or jax.default_backend()
     name = backend_name(config.attention_backend, platform)
-    return BACKENDS[name](page_size=config.page_size, sliding_window=model.sliding_window,
-                          mesh=mesh, pages_per_layer=num_pages if scan_layers else None)
+    soft_cap = None if model.gemma is None else model.gemma.attn_logit_softcap
+    return BACKENDS[name](page_size=config.page_size, windows=model.layer_windows,
+                          soft_cap=soft_cap, mesh=mesh,
+                          pages_per_layer=num_pages if scan_layers else None)
 

@@ -7,7 +7,9 @@ model's `AttentionFn`; every layer calls it with its q, k, v and layer cache. Th
 lives here: the stacked-layer page offsets and the `shard_map` over the "model" axis (each
 device attends its own heads; the kernels never see the mesh). A backend supplies
 - `step_metadata(batch)`: its per-step pytree, built once per step rather than per layer;
-- `attend(...)`: write this step's K/V into the pages and attend, on one device's heads.
+- `attend(...)`: write this step's K/V into the pages and attend, on one device's heads,
+  with the layer's sliding window (`window_of`: layers may differ, as in Gemma) and the
+  model's score cap (`soft_cap`, Gemma 2).
 The decode loop calls `for_step` once per loop step, with one token per row.
 """
 
@@ -45,12 +47,16 @@ class PagedBatch:
 class AttentionBackend:
     """One way to attend over the paged cache (subclasses: pallas, cpu, reference).
 
-    `pages_per_layer`: with stacked layers the cache is one pool of every layer's pages,
-    layer l's at `[l * pages_per_layer, (l + 1) * pages_per_layer)`; None: per-layer caches.
+    `windows`: each layer's sliding window (None: the whole context); one entry stands for
+    every layer. `soft_cap`: scores become `soft_cap * tanh(score / soft_cap)` (None: as
+    they are). `pages_per_layer`: with stacked layers the cache is one pool of every layer's
+    pages, layer l's at `[l * pages_per_layer, (l + 1) * pages_per_layer)`; None: per-layer
+    caches.
     """
 
     page_size: int
-    sliding_window: int | None = None
+    windows: tuple[int | None, ...] = (None,)
+    soft_cap: float | None = None
     mesh: Mesh | None = None
     pages_per_layer: int | None = None
     name: ClassVar[str] = ""
@@ -60,8 +66,9 @@ class AttentionBackend:
         """Per-step arrays shared by every layer (traced); None if the backend needs none."""
         return None
 
-    def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata):
-        """On one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata,
+               window: int | None):
+        """With sliding window `window`, on one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
         `(k_pages, v_pages)` `[N, page_size / f, f * Hkv * D]` (f tokens a row on TPU,
         `kv_quant.tokens_per_row`; `page_size` says f), with `(k_scales, v_scales)`
         `[N, Hkv * S]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
@@ -75,6 +82,18 @@ class AttentionBackend:
         return ragged_expert_ffn(rows, group_sizes, gate, up, down)
 
     # ---- common ---------------------------------------------------------------------------
+    @property
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        """The windows layers use, each once, in order of first use."""
+        return tuple(dict.fromkeys(self.windows))
+
+    def window_of(self, layer_index) -> int | None:
+        """Layer `layer_index`'s window (a Python int when the layers' windows differ: such
+        models run their layers as a loop)."""
+        if len(self.distinct_windows) == 1:
+            return self.windows[0]
+        return self.windows[layer_index]
+
     def for_step(self, batch: PagedBatch) -> "PagedAttention":
         return PagedAttention(batch, self.step_metadata(batch), self)
 
@@ -110,7 +129,7 @@ class PagedAttention:
     def _attend(self, layer_index, q, k, v, layer_cache):
         backend = self.backend
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
-        local = backend.attend
+        local = functools.partial(backend.attend, window=backend.window_of(layer_index))
         if backend.mesh is not None:
             cache_dims = (2, 2, 1, 1)[:len(layer_cache)]  # pages: heads on 2; scales on 1
             #            q  k  v  cache       slots, page tables, batch, metadata (replicated)

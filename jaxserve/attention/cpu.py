@@ -35,12 +35,14 @@ class CpuBackend(AttentionBackend):
     def __post_init__(self):
         reuse_freed_memory()
 
-    def step_metadata(self, batch: PagedBatch) -> cpu_step.StepPlan:
-        return cpu_step.plan_step(batch.slot_mapping.shape[0], batch.kv_lens,
-                                  batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-                                  self.page_size, self.sliding_window)
+    def step_metadata(self, batch: PagedBatch) -> tuple[cpu_step.StepPlan, ...]:
+        """One plan per window the layers use (Gemma's sliding and global layers: two)."""
+        return tuple(cpu_step.plan_step(batch.slot_mapping.shape[0], batch.kv_lens,
+                                        batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+                                        self.page_size, window, self.soft_cap)
+                     for window in self.distinct_windows)
 
-    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, window):
         layer_cache = _write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
         k_pool, v_pool = (cpu_step.PagePool(pages, scales[i] if scales else None,
@@ -48,7 +50,8 @@ class CpuBackend(AttentionBackend):
                           for i, pages in enumerate((k_pages, v_pages)))
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
             k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
-        out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, metadata)
+        plan = metadata[self.distinct_windows.index(window)]
+        out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, plan)
         return out, layer_cache
 
 

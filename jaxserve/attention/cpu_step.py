@@ -67,10 +67,16 @@ class StepPlan:
     decode_row: jax.Array  # [S] bool, the ordered row is a decode row
     decode_bias: jax.Array  # [S, L] float32, 0 where the ordered row sees its cached slot
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def capped(scores, soft_cap: float | None):
+    """Scores after Gemma 2's cap, `soft_cap * tanh(scores / soft_cap)` (None: as they are)."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
 def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_size: int,
-              sliding_window: int | None = None) -> StepPlan:
+              sliding_window: int | None = None, soft_cap: float | None = None) -> StepPlan:
     """The `StepPlan` of a step's metadata (the `ragged_paged_attention` arguments)."""
     rows, pages_per_seq = page_indices.shape
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
@@ -99,7 +105,7 @@ def plan_step(num_tokens: int, kv_lens, page_indices, cu_q_lens, num_seqs, page_
         num_continued=jnp.sum(continued).astype(jnp.int32),
         first=first, q_lens=q_lens, decode_order=order, decode_first=first[order],
         decode_row=decode_row[order], decode_bias=visibility_bias(cached[order])))
-    return StepPlan(**arrays, sliding_window=sliding_window)
+    return StepPlan(**arrays, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 @jax.tree_util.register_dataclass
@@ -146,7 +152,7 @@ def ragged_attention(q, k_new, v_new, k_pool: PagePool, v_pool: PagePool, page_i
     def chunks():
         queries = q.astype(jnp.float32).reshape(tokens, num_kv_heads, -1, head_dim)
         queries = queries.transpose(1, 2, 0, 3) * head_dim ** -0.5  # [Hkv, G, T, D]
-        parts = _own_tokens(queries, k_new, v_new, plan.own_bias)
+        parts = _own_tokens(queries, k_new, v_new, plan.own_bias, plan.soft_cap)
 
         def add_context(i, parts):
             row = plan.continued[i]
@@ -159,7 +165,7 @@ def ragged_attention(q, k_new, v_new, k_pool: PagePool, v_pool: PagePool, page_i
     out = jax.lax.cond(plan.has_chunks, chunks, lambda: jnp.zeros_like(q))  # [T, Hq, D]
     decoded = _decode_rows(q[plan.decode_first], k_pool, v_pool,
                            page_indices[plan.decode_order], plan.decode_bias,
-                           plan.decode_row)  # [S, Hq, D], rows by length
+                           plan.decode_row, plan.soft_cap)  # [S, Hq, D], rows by length
     target = jnp.where(plan.decode_row, plan.decode_first, tokens)  # out of range: dropped
     return out.at[target].set(decoded, mode="drop")
 
@@ -192,13 +198,14 @@ def _normalize(parts):
     return jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
 
 
-def _own_tokens(queries, k_new, v_new, own_bias):
+def _own_tokens(queries, k_new, v_new, own_bias, soft_cap):
     """Each token against the step's new keys of its own sequence, causally.
 
     queries `[Hkv, G, T, D]` (scaled); k_new, v_new `[T, Hkv, D]`; own_bias `[T, T]`."""
     keys = k_new.astype(jnp.float32).transpose(1, 0, 2)  # [Hkv, T, D]
     values = v_new.astype(jnp.float32).transpose(1, 0, 2)
-    scores = jnp.einsum("hgtd,hud->hgtu", queries, keys) + own_bias  # [Hkv, G, T, T]
+    scores = capped(jnp.einsum("hgtd,hud->hgtu", queries, keys), soft_cap)  # [Hkv, G, T, T]
+    scores = scores + own_bias
     return _partial(scores, values)
 
 
@@ -221,7 +228,7 @@ def _add_one_context(parts, queries, k_pool, v_pool, pages, row, plan: StepPlan)
                   take(plan.pos, 0))
         merged = _merge(jax.tree.map(lambda a: take(a, 2), parts),
                         _context_of(*window, k_pool, v_pool, pages, plan.context[row],
-                                    plan.sliding_window))
+                                    plan.sliding_window, plan.soft_cap))
         return jax.tree.map(lambda a, m: jax.lax.dynamic_update_slice_in_dim(a, m, begin, 2),
                             parts, merged)
 
@@ -229,7 +236,8 @@ def _add_one_context(parts, queries, k_pool, v_pool, pages, row, plan: StepPlan)
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), branches, parts)
 
 
-def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_window):
+def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_window,
+                soft_cap):
     """queries `[Hkv, G, W, D]` (those with `mine [W]` set belong to the sequence, at
     positions `pos [W]`) against the first `context_len` cached tokens of page table `pages`.
     Returns a `_partial`-style triple over the W queries."""
@@ -245,7 +253,7 @@ def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_
         visible = mine[:, None] & (slot[None, :] < context_len)  # [W, p * page_size]
         if sliding_window is not None:
             visible &= pos[:, None] - slot[None, :] < sliding_window
-        scores = jnp.einsum("hgtd,hud->hgtu", queries, keys)
+        scores = capped(jnp.einsum("hgtd,hud->hgtu", queries, keys), soft_cap)
         return _merge(parts, _partial(jnp.where(visible, scores, -jnp.inf), values))
 
     empty = (jnp.full(queries.shape[:-1], -jnp.inf), jnp.zeros(queries.shape[:-1]),
@@ -254,7 +262,7 @@ def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_
     return jax.lax.fori_loop(0, turns, one_part, empty)
 
 
-def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active):
+def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active, soft_cap):
     """One query per row against its cached tokens (itself included).
 
     q_rows `[S, Hq, D]`; decode_bias `[S, L]` says which slots each row sees; rows not
@@ -270,7 +278,7 @@ def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active):
 
     def attend(width, q, pages, bias):  # static width; [b, Hq, D], [b, P], [b, L]
         return row_attention(q, k_pool.rows(pages[:, :width]), v_pool.rows(pages[:, :width]),
-                             bias[:, :width * page_size])
+                             bias[:, :width * page_size], soft_cap=soft_cap)
 
     branches = [lambda q, *_: jnp.zeros_like(q)] + [
         functools.partial(attend, width) for width in widths]
@@ -309,10 +317,12 @@ def gather_rows(pages, page_indices):
     return out.reshape(rows, num_kv_heads, -1, head_dim)
 
 
-def row_attention(q, keys, values, bias, keys_transposed: bool = False):
+def row_attention(q, keys, values, bias, keys_transposed: bool = False,
+                  soft_cap: float | None = None):
     """One query per row against that row's keys: q `[B, Hq, D]`, keys and values
     `[B, Hkv, L, D]` (keys `[B, Hkv, D, L]` if `keys_transposed`), bias `[B, L]` (0 where
-    visible, -inf elsewhere) → `[B, Hq, D]`; a row that sees nothing gives zeros.
+    visible, -inf elsewhere), scores capped by `soft_cap` → `[B, Hq, D]`; a row that sees
+    nothing gives zeros.
 
     q·k is one batched matrix-vector product per query head of a group: in XLA's CPU dots
     that reads the keys at memory speed, 1.5x faster than one `[G, D] x [D, L]` product per
@@ -328,7 +338,7 @@ def row_attention(q, keys, values, bias, keys_transposed: bool = False):
     spec = "bhdl,bhd->bhl" if keys_transposed else "bhld,bhd->bhl"
     scores = jnp.stack([jnp.einsum(spec, keys, queries[:, :, g])
                         for g in range(group)], axis=2)  # [B, Hkv, G, L]
-    scores = scores + bias[:, None, None, :]
+    scores = capped(scores, soft_cap) + bias[:, None, None, :]
     peak = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
     total = weights.sum(-1, keepdims=True)

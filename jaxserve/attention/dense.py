@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import page_dtype, round_trip
 
 
@@ -30,9 +31,19 @@ class DenseAttention:
     """Attention over per-row dense caches; call signature is the model's `AttentionFn`."""
 
     positions: jax.Array  # [B, T] int32 position of every query token
-    sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # each layer's sliding window (None: the whole context); one entry: every layer's
+    windows: tuple[int | None, ...] = dataclasses.field(default=(None,),
+                                                        metadata=dict(static=True))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=dict(static=True))
     head_scales: jax.Array | None = None  # [L, 2, Hkv] fp8 scales of K and V (None: 1)
+    soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @classmethod
+    def of_model(cls, cfg: ModelConfig, positions: jax.Array, kv_cache_dtype: str = "auto",
+                 head_scales: jax.Array | None = None) -> "DenseAttention":
+        """The attention `cfg`'s layers ask for: their windows and score cap."""
+        return cls(positions, cfg.layer_windows, kv_cache_dtype, head_scales,
+                   None if cfg.gemma is None else cfg.gemma.attn_logit_softcap)
 
     def __call__(self, layer_index, q, k, v, layer_cache):
         batch, tokens, num_heads, head_dim = q.shape
@@ -57,10 +68,13 @@ class DenseAttention:
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
                             preferred_element_type=jnp.float32)  # [B, Hkv, G, T, S]
         scores = scores * (head_dim ** -0.5)
+        if self.soft_cap is not None:
+            scores = self.soft_cap * jnp.tanh(scores / self.soft_cap)
         query_pos = self.positions[:, :, None]  # [B, T, 1]
         visible = key_pos <= query_pos  # [B, T, S]
-        if self.sliding_window is not None:
-            visible &= query_pos - key_pos < self.sliding_window
+        window = self.windows[0] if len(set(self.windows)) == 1 else self.windows[layer_index]
+        if window is not None:
+            visible &= query_pos - key_pos < window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values,

@@ -27,19 +27,18 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 class PallasBackend(AttentionBackend):
     name: ClassVar[str] = "pallas"
 
-    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata):
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, window):
         layer_cache = kv_quant.write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
         scaled = dict(zip(("k_scales", "v_scales"), scales),  # int8 pages only
-                      page_size=self.page_size)
+                      page_size=self.page_size, soft_cap=self.soft_cap, sliding_window=window)
         if batch.decode_only:
             out = pallas_kernels.paged_attention(
-                q, k_pages, v_pages, batch.kv_lens, page_indices,
-                sliding_window=self.sliding_window, **scaled)  # [S, Hq, D]
+                q, k_pages, v_pages, batch.kv_lens, page_indices, **scaled)  # [S, Hq, D]
         else:
             out = pallas_kernels.ragged_paged_attention(
                 q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
-                batch.num_seqs, sliding_window=self.sliding_window, **scaled)  # [T, Hq, D]
+                batch.num_seqs, **scaled)  # [T, Hq, D]
         return out, layer_cache
 
     def expert_ffn(self, rows, group_sizes, gate, up, down):

@@ -114,12 +114,18 @@ def executable_store_for(config: EngineConfig) -> ExecutableStore | None:
     return ExecutableStore(config.resolved_cache_dir() / "executables")
 
 
-def scan_layers_for(config: EngineConfig, platform: str | None = None) -> bool:
-    """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU.
-    `platform`: where the programs will run (default: JAX's default backend)."""
+def scan_layers_for(config: EngineConfig, model: ModelConfig,
+                    platform: str | None = None) -> bool:
+    """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU
+    when the model's layers attend alike (Gemma's sliding and global layers do not: they run
+    as a loop). `platform`: where the programs will run (default: JAX's default backend)."""
+    if config.scan_layers and not model.layers_alike:
+        raise ValueError("scan_layers: this model's layers differ in their sliding window or "
+                         "rope, so one stacked layer cannot stand for all of them; leave "
+                         "scan_layers unset or false")
     if config.scan_layers is not None:
         return config.scan_layers
-    return platform_traits(platform).scan_layers_by_default
+    return platform_traits(platform).scan_layers_by_default and model.layers_alike
 
 
 def engine_mesh(config: EngineConfig) -> Mesh:
@@ -168,7 +174,7 @@ class Engine:
         self.mesh = engine_mesh(config)
         def placed(model: LlamaModel) -> LlamaModel:
             model = shard_model(model, self.mesh)
-            if scan_layers_for(config):
+            if scan_layers_for(config, model.config):
                 model = stack_layers(model)  # consumes the per-layer arrays
             return model
 

@@ -93,9 +93,15 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
         hf + "self_attn.o_proj.weight": (ours + ("attn", "o_proj"),
                                          lambda w: w.T.reshape(hq, d, e), (e, hq * d)),
         hf + "input_layernorm.weight": (ours + ("input_norm", "weight"), None, (e,)),
-        hf + "post_attention_layernorm.weight": (ours + ("post_attention_norm", "weight"),
-                                                 None, (e,)),
     }
+    if cfg.gemma is None:
+        entries[hf + "post_attention_layernorm.weight"] = (
+            ours + ("post_attention_norm", "weight"), None, (e,))
+    else:  # Gemma's post_attention_layernorm norms the attention's output
+        for theirs, mine in (("post_attention_layernorm", "attn_output_norm"),
+                             ("pre_feedforward_layernorm", "post_attention_norm"),
+                             ("post_feedforward_layernorm", "mlp_output_norm")):
+            entries[hf + f"{theirs}.weight"] = (ours + (mine, "weight"), None, (e,))
     if cfg.qkv_bias:
         for name, h in (("q", hq), ("k", hkv), ("v", hkv)):
             entries[hf + f"self_attn.{name}_proj.bias"] = (

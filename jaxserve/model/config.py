@@ -1,7 +1,11 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Supports the Llama family as `transformers` writes it: `model_type` llama, mistral, qwen2 and
-qwen3, and its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`). Rope
+qwen3, its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`), and Gemma 2 and
+Gemma 3 (text) with what they change (`GemmaStyle`). Layers may differ in their attention:
+`layer_types` (transformers' per-layer "sliding_attention" / "full_attention") says which
+layers see only the last `sliding_window` tokens, and Gemma 3's sliding layers have a rope of
+their own (`local_rope`). Rope
 settings are read both from the top level (transformers 4.x: `rope_theta`, `rope_scaling`)
 and from `rope_parameters` (transformers 5.x). Anything this runtime cannot run faithfully is
 a `ValueError` naming the setting: a silently wrong model is worse than none.
@@ -19,7 +23,11 @@ import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
+                         "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -102,6 +110,19 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GemmaStyle:
+    """What Gemma 2 and 3 change in a Llama-family decoder, all as transformers computes it:
+    RMSNorms scale by `1 + weight` in float32; a layer norms its attention's and its MLP's
+    outputs too (post-norms) before adding them to the residual; embeddings are multiplied by
+    sqrt(hidden_size) (in the compute dtype); attention scales by `query_pre_attn_scalar **
+    -0.5`; Gemma 2 caps attention scores and final logits with `cap * tanh(x / cap)`."""
+
+    query_pre_attn_scalar: float
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder, independent of where it was read from."""
 
@@ -121,7 +142,11 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the layers that slide
+    layer_types: tuple[str, ...] = ()  # per layer, LAYER_TYPES; (): all slide if windowed
+    local_rope: RopeConfig | None = None  # the sliding layers' rope (None: `rope`)
+    hidden_act: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh"
+    gemma: GemmaStyle | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # `torch_dtype`/`dtype` as saved, used by dtype="auto"
@@ -141,9 +166,37 @@ class ModelConfig:
             raise ValueError("quantization of mixture-of-experts models (per-expert scales) is "
                              "not supported yet; serve this model unquantized")
 
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of "
+                             f"the {self.num_layers} layers, got {list(self.layer_types)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is "
+                             "not set")
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it sees the whole context)."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if kind == "sliding_attention" else None
+                     for kind in self.layer_types)
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope of layer `layer`: `local_rope` for a sliding layer if there is one."""
+        if self.local_rope is not None and self.layer_windows[layer] is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def layers_alike(self) -> bool:
+        """Whether every layer attends alike (window, rope), so that one stacked layer can
+        stand for all of them (`scan_layers`)."""
+        return len({(w, self.layer_rope(i)) for i, w in enumerate(self.layer_windows)}) == 1
 
 
 def _read_rope(hf: dict[str, Any]) -> RopeConfig:
@@ -238,9 +291,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {list(ACTIVATIONS)}")
     required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"]
     missing = [k for k in required if k not in hf]
@@ -252,11 +305,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
     qkv_bias = True if model_type == "qwen2" else attention_bias
     o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
-    sliding_window = None
-    if model_type in ("mistral", "mixtral"):
-        sliding_window = hf.get("sliding_window")
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
-        raise ValueError("use_sliding_window=True (Qwen per-layer sliding window) is not supported")
+    sliding_window, layer_types = _read_layer_types(hf, model_type)
+    gemma = model_type in GEMMA_MODEL_TYPES
+    rope, local_rope = _read_ropes(hf, model_type)
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
@@ -267,20 +318,76 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_read_rope(hf),
+        rope=rope,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         sliding_window=sliding_window,
+        layer_types=layer_types,
+        local_rope=local_rope,
+        hidden_act=ACTIVATIONS[act],
+        gemma=GemmaStyle(float(hf.get("query_pre_attn_scalar") or head_dim),
+                         hf.get("attn_logit_softcapping"),
+                         hf.get("final_logit_softcapping")) if gemma else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         quantization=checkpoint_quantization(hf),
         moe=_read_moe(hf) if model_type in MOE_MODEL_TYPES else None,
     )
+
+
+def _read_layer_types(hf: dict[str, Any], model_type: str
+                      ) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types): `layer_types` as transformers 5 writes it, else each
+    family's rule (Mistral: every layer; Gemma 2: every other one from the first; Gemma 3:
+    all but every `sliding_window_pattern`-th; Qwen: with `use_sliding_window`, the layers
+    from `max_window_layers` on). `()` when the layers are alike (no window, or all slide)."""
+    window = hf.get("sliding_window")
+    num_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        if model_type in ("mistral", "mixtral"):
+            sliding = [True] * num_layers
+        elif model_type == "gemma2":
+            sliding = [i % 2 == 0 for i in range(num_layers)]
+        elif model_type == "gemma3_text":
+            pattern = int(hf.get("sliding_window_pattern") or 6)
+            sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            first = hf.get("max_window_layers", num_layers)
+            sliding = [bool(hf.get("use_sliding_window")) and i >= first
+                       for i in range(num_layers)]
+        else:
+            sliding = [False] * num_layers
+        types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    types = tuple(types)
+    if "sliding_attention" not in types:
+        return None, ()
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"sliding_window must be a positive integer for the layers "
+                         f"layer_types makes sliding, got {window!r}")
+    return window, () if set(types) == {"sliding_attention"} else types
+
+
+def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """(rope, local_rope): Gemma 3's sliding layers have their own rope, in transformers 5
+    as `rope_parameters[layer type]`, in 4.x as `rope_local_base_freq` (the global rope's
+    `rope_scaling` applies to the full-attention layers only)."""
+    params = hf.get("rope_parameters") or {}
+    if set(params) & set(LAYER_TYPES):
+        missing = sorted(set(LAYER_TYPES) - set(params))
+        if missing:
+            raise ValueError(f"rope_parameters is per layer type but lacks {missing}")
+        return tuple(_read_rope({**hf, "rope_parameters": params[kind]})
+                     for kind in ("full_attention", "sliding_attention"))
+    if model_type == "gemma3_text":
+        local = float(hf.get("rope_local_base_freq") or 10000.0)
+        return _read_rope(hf), RopeConfig(theta=local)
+    return _read_rope(hf), None
 
 
 def _read_moe(hf: dict[str, Any]) -> MoEConfig:

@@ -49,8 +49,8 @@ class DenseGenerator:
     def _forward(self, state, tokens, caches):
         model = nnx.merge(self.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
-        attention = DenseAttention(positions, self.config.sliding_window, self.kv_cache_dtype,
-                                   self.head_scales)
+        attention = DenseAttention.of_model(self.config, positions, self.kv_cache_dtype,
+                                            self.head_scales)
         hidden, caches = model(tokens, positions, caches, attention)  # [B, T, E]
         return model, hidden, caches
 
@@ -93,8 +93,8 @@ class DenseGenerator:
             tokens, count, done, caches = carry
             position = lengths + count - 1  # [B] position of the token being fed
             current = tokens[jnp.arange(batch), count - 1]  # [B]
-            attention = DenseAttention(position[:, None], self.config.sliding_window,
-                                       self.kv_cache_dtype, self.head_scales)
+            attention = DenseAttention.of_model(self.config, position[:, None],
+                                                self.kv_cache_dtype, self.head_scales)
             hidden, caches = model(current[:, None], position[:, None], caches, attention)
             new = sample(model.logits(hidden[:, 0]), arrays, position + 1)  # [B]
             tokens = tokens.at[jnp.arange(batch), count].set(jnp.where(done, 0, new))
@@ -121,7 +121,7 @@ class DenseGenerator:
             unset = jnp.zeros(cfg.num_kv_heads, jnp.float32)
             fresh = jnp.stack([kv_quant.calibrate(unset, x[0], real) for x in (k, v)])
             scales = scales.at[layer_index].set(fresh)
-            return DenseAttention(positions, cfg.sliding_window, "fp8", scales)(
+            return DenseAttention.of_model(cfg, positions, "fp8", scales)(
                 layer_index, q, k, v, layer_cache)
 
         model = nnx.merge(self.graphdef, self.state)

@@ -1,5 +1,11 @@
-"""Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3, and with
-`jaxserve.model.moe` in place of the MLP, Qwen3-MoE and Mixtral).
+"""Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, and
+with `jaxserve.model.moe` in place of the MLP, Qwen3-MoE and Mixtral).
+
+Gemma (`cfg.gemma`) changes the norms ((1 + w), in float32), adds a norm on the attention's
+and the MLP's outputs, scales the embeddings and the queries, and may cap the final logits;
+the attention scores' cap and each layer's window belong to the attention backend, which
+reads them from the config. Layers whose rope differs (Gemma 3's sliding layers) each get
+their own rope, so such a model runs its layers as a loop, not a scan.
 
 The model knows nothing of KV-cache layout or devices. Attention is delegated to an
 `attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
@@ -20,6 +26,7 @@ int8 or fp8 beside a float32 `<name>_scale` parameter with the kernel's output a
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -63,22 +70,33 @@ def _zeros(shape, dtype, axes) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm computed in float32, scaled in the input dtype (as HF does)."""
+    """Root-mean-square norm computed in float32, scaled in the input dtype (as HF's Llama
+    does); `gemma`: scaled by `1 + weight` in float32, then cast (HF's Gemma)."""
 
-    def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
+    def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm",
+                 gemma: bool = False):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis_name,))
+        self.gemma = gemma
+        initial = jnp.zeros((dim,), dtype) if gemma else jnp.ones((dim,), dtype)
+        self.weight = nnx.Param(initial, logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.gemma:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int, dtype, axis_name: str = "norm") -> RMSNorm:
+    """An RMSNorm of the family's kind."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, axis_name, gemma=cfg.gemma is not None)
 
 
 class Attention(nnx.Module):
     """Grouped-query self-attention projections, rope and optional q/k norm (Qwen3)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj, self.q_proj_scale = _weight(cfg, "q_proj", rngs, (e, hq, d), dtype,
                                                  ("embed", "heads", "head_dim"))
@@ -95,12 +113,15 @@ class Attention(nnx.Module):
             self.v_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
         self.o_bias = _zeros((e,), dtype, ("embed",)) if cfg.o_bias else None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim")
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, "head_dim")
+            self.q_norm = norm(cfg, d, dtype, "head_dim")
+            self.k_norm = norm(cfg, d, dtype, "head_dim")
         self.qkv_bias = cfg.qkv_bias
         self.qk_norm = cfg.qk_norm
-        self.rope = cfg.rope  # static; frequencies are rebuilt as constants at trace time
+        self.rope = cfg.layer_rope(layer)  # static; frequencies are constants at trace time
         self.head_dim = d
+        # Gemma's score scale, folded into the queries (the kernels scale by D ** -0.5)
+        self.query_scale = (None if cfg.gemma is None else
+                            (cfg.gemma.query_pre_attn_scalar / d) ** -0.5)
 
     def __call__(self, layer_index: int, x: jax.Array, positions: jax.Array,
                  attention: AttentionFn, layer_cache: Any,
@@ -118,6 +139,8 @@ class Attention(nnx.Module):
         scale = rope_scale(self.rope)
         q = apply_rope(q, positions, inv_freq, scale)
         k = apply_rope(k, positions, inv_freq, scale)
+        if self.query_scale is not None:
+            q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
         out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
         # One [Hq * D, E] matmul: as an einsum over (h, d), XLA CPU may transpose the weight
         # (a copy of all of o_proj) in every step to suit the attention output's layout.
@@ -134,8 +157,13 @@ class Attention(nnx.Module):
                        self.quantization)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu,
+                                                                    approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-GELU
+    (Gemma's GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         e, i = cfg.hidden_size, cfg.intermediate_size
@@ -151,6 +179,7 @@ class MLP(nnx.Module):
             self.up_bias = _zeros((i,), dtype, ("mlp",))
             self.down_bias = _zeros((e,), dtype, ("embed",))
         self.mlp_bias = cfg.mlp_bias
+        self.hidden_act = cfg.hidden_act
 
     def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
         gate = self._project(x, self.gate_proj, self.gate_proj_scale)  # [..., I]
@@ -158,7 +187,7 @@ class MLP(nnx.Module):
         if self.mlp_bias:
             gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
         gate, up = add_delta(lora, "gate_proj", x, gate), add_delta(lora, "up_proj", x, up)
-        hidden = jax.nn.silu(gate) * up  # [..., I]
+        hidden = ACTIVATIONS[self.hidden_act](gate) * up  # [..., I]
         out = self._project(hidden, self.down_proj, self.down_proj_scale)  # [..., E]
         if self.mlp_bias:
             out = out + self.down_bias[...]
@@ -170,24 +199,37 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP (or mixture of experts)."""
+    """Pre-norm residual block: attention then MLP (or mixture of experts). Gemma norms the
+    outputs of both too (`attn_output_norm`, `mlp_output_norm`); `post_attention_norm` is
+    the MLP's input norm in every family (HF's Gemma calls it `pre_feedforward_layernorm`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype, rngs)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
+        e = cfg.hidden_size
+        self.input_norm = norm(cfg, e, dtype)
+        self.attn = Attention(cfg, dtype, rngs, layer)
+        self.post_attention_norm = norm(cfg, e, dtype)
         self.mlp = SparseMoE(cfg, dtype, rngs) if cfg.moe else MLP(cfg, dtype, rngs)
+        if cfg.gemma is not None:
+            self.attn_output_norm = norm(cfg, e, dtype)
+            self.mlp_output_norm = norm(cfg, e, dtype)
+        self.output_norms = cfg.gemma is not None
 
     def __call__(self, layer_index, x, positions, attention, layer_cache,
                  lora: LoRABatch | None = None):
         """`lora`: this layer's adapter stacks and the tokens' slots (None: the base)."""
         attn_out, layer_cache = self.attn(
             layer_index, self.input_norm(x), positions, attention, layer_cache, lora)
+        if self.output_norms:
+            attn_out = self.attn_output_norm(attn_out)
         x = x + attn_out
         hidden = self.post_attention_norm(x)
         if isinstance(self.mlp, SparseMoE):  # the backend's grouped matmuls, if it has some
-            return x + self.mlp(hidden, getattr(attention, "expert_ffn", None)), layer_cache
-        return x + self.mlp(hidden, lora), layer_cache
+            out = self.mlp(hidden, getattr(attention, "expert_ffn", None))
+        else:
+            out = self.mlp(hidden, lora)
+        if self.output_norms:
+            out = self.mlp_output_norm(out)
+        return x + out, layer_cache
 
 
 def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -226,11 +268,14 @@ class LlamaModel(nnx.Module):
                                                (cfg.vocab_size, cfg.hidden_size), dtype,
                                                ("vocab", "embed"))
         if scan_layers:
+            if not cfg.layers_alike:
+                raise ValueError("scan_layers needs layers that attend alike; this model's "
+                                 "layers differ in their window or rope (run the loop)")
             self.layers = stacked_layers(cfg, dtype, rngs)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs)
-                                    for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i)
+                                    for i in range(cfg.num_layers)])
+        self.final_norm = norm(cfg, cfg.hidden_size, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head, self.lm_head_scale = _weight(cfg, "lm_head", rngs,
                                                        (cfg.hidden_size, cfg.vocab_size),
@@ -245,6 +290,8 @@ class LlamaModel(nnx.Module):
         `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot."""
         x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
                            self.compute_dtype)  # [..., E]
+        if self.config.gemma is not None:  # sqrt(E), rounded to the compute dtype as HF does
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.compute_dtype)
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -276,7 +323,9 @@ class LlamaModel(nnx.Module):
         else:
             out = project("...e,ev->...v", hidden, self.lm_head[...],
                           _value(self.lm_head_scale), quant)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        cap = None if self.config.gemma is None else self.config.gemma.final_logit_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)
 
 
 def _value(param: nnx.Param | None) -> jax.Array | None:

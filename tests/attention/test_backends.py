@@ -2,6 +2,8 @@
 decode-loop steps), against a numpy attention written out here from the definition, on
 hand-built pages and steps."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,13 +14,16 @@ from jaxserve.attention import BACKENDS, PagedBatch
 PAGE, HKV, HQ, D = 16, 2, 4, 64  # the kernels take head_dim 64, 128 or 256
 
 
-def make_backend(name, sliding_window):
-    return BACKENDS[name](PAGE, sliding_window)
+def make_backend(name, windows, soft_cap=None):
+    """`windows`: one per layer (a single one: every layer's)."""
+    return BACKENDS[name](PAGE, tuple(windows), soft_cap)
 
 
-def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window):
+def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+                    soft_cap=None):
     """Row s's queries sit at the last q_len positions of its kv_len keys (read from its
-    pages) and attend causally, within `window` if set; padding rows give zeros."""
+    pages) and attend causally, within `window` if set, scores capped by `soft_cap` if set;
+    padding rows give zeros."""
     out = np.zeros(q.shape, np.float64)
     group = HQ // HKV
     for s in range(num_seqs):
@@ -33,6 +38,8 @@ def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
                 visible &= here - pos < window
             for h in range(HQ):
                 scores = keys[:, h // group] @ q[t, h] / np.sqrt(D)
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 scores = np.where(visible, scores, -np.inf)
                 weights = np.exp(scores - scores.max())
                 out[t, h] = weights @ values[:, h // group] / weights.sum()
@@ -68,7 +75,9 @@ def write(pages, new, slots):
 def test_a_step_of_every_kind_equals_numpy(name, fold):
     """Fresh prompts, a fresh prompt beside a decode row (one needing both pages, one only the
     first), a continued chunk beside a decode row, two continued chunks; three real rows,
-    padding tokens and one padding row, sliding window 6. Earlier context is random K/V in
+    padding tokens and one padding row; a model of two layers, the first with a sliding
+    window of 6 and the second without, scores capped at 1.5 (Gemma 2's layers). Earlier
+    context is random K/V in
     the pages; the returned pages must hold the step's K/V at its slots. Pages of one token
     a row, and of `fold` tokens a row (TPU's layout where a device's kv heads fill less than
     128 lanes), written out here by hand."""
@@ -79,11 +88,12 @@ def test_a_step_of_every_kind_equals_numpy(name, fold):
     cache = rng.normal(size=(2, 8, PAGE, HKV, D)).astype(np.float32)
     k_new, v_new = rng.normal(size=(2, tokens, HKV, D)).astype(np.float32)
     q = rng.normal(size=(tokens, HQ, D)).astype(np.float32)
-    backend = make_backend(name, 6)
+    windows, soft_cap = (6, None), 1.5
+    backend = make_backend(name, windows, soft_cap)
 
-    @jax.jit
-    def step(batch, q, k_new, v_new, layer_cache):
-        return backend.for_step(batch)(0, q, k_new, v_new, layer_cache)
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(layer, batch, q, k_new, v_new, layer_cache):
+        return backend.for_step(batch)(layer, q, k_new, v_new, layer_cache)
 
     for kv_lens in ([5, 17, 1, 0], [5, 17, 30, 0], [5, 17, 10, 0], [5, 27, 30, 0],
                     [9, 27, 1, 0]):
@@ -93,13 +103,16 @@ def test_a_step_of_every_kind_equals_numpy(name, fold):
             pos = np.arange(kv_lens[s] - n, kv_lens[s])
             slots[cu[s]:cu[s] + n] = page_indices[s][pos // PAGE] * PAGE + pos % PAGE
         batch = PagedBatch(slots, kv_lens, page_indices, cu, np.array([3], np.int32))
-        out, (k_pages, v_pages) = step(batch, q, k_new, v_new,
-                                       (packed(cache[0], fold), packed(cache[1], fold)))
         want_k, want_v = write(cache[0], k_new, slots), write(cache[1], v_new, slots)
-        np.testing.assert_array_equal(heads(k_pages, fold), want_k)
-        np.testing.assert_array_equal(heads(v_pages, fold), want_v)
-        want = numpy_attention(q, want_k, want_v, kv_lens, page_indices, cu, 3, 6)
-        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, err_msg=str(kv_lens))
+        for layer, window in enumerate(windows):
+            out, (k_pages, v_pages) = step(layer, batch, q, k_new, v_new,
+                                           (packed(cache[0], fold), packed(cache[1], fold)))
+            np.testing.assert_array_equal(heads(k_pages, fold), want_k)
+            np.testing.assert_array_equal(heads(v_pages, fold), want_v)
+            want = numpy_attention(q, want_k, want_v, kv_lens, page_indices, cu, 3, window,
+                                   soft_cap)
+            np.testing.assert_allclose(np.asarray(out), want, atol=2e-5,
+                                       err_msg=f"layer {layer}, kv_lens {kv_lens}")
 
 
 @pytest.mark.parametrize("name, sliding_window, rows", [
@@ -119,7 +132,7 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
     num_seqs = np.array([int(live.sum())], np.int32)
     cu = np.minimum(np.arange(rows + 1), num_seqs[0]).astype(np.int32)
     k_pages, v_pages = rng.normal(size=(2, 13, PAGE, HKV, D)).astype(np.float32)
-    backend = make_backend(name, sliding_window)
+    backend = make_backend(name, (sliding_window,))
     layer_cache = (packed(k_pages), packed(v_pages))
 
     @jax.jit
@@ -156,7 +169,7 @@ def test_stacked_layers_address_their_own_pages():
                        np.array([[0, 1], [0, 0]], np.int32), np.array([0, 1, 1], np.int32),
                        np.array([1], np.int32))
     for name in ("cpu", "pallas"):
-        backend = BACKENDS[name](PAGE, None, pages_per_layer=pages_per_layer)
+        backend = BACKENDS[name](PAGE, pages_per_layer=pages_per_layer)
         out, (k_pages, v_pages) = jax.jit(
             lambda b, *a: backend.for_step(b)(jnp.int32(1), *a))(batch, q, k_new, v_new,
                                                                 (packed(pool[0]),
