@@ -365,6 +365,9 @@ def _read_layer_types(hf: dict[str, Any], model_type: str
             sliding = [False] * num_layers
         types = ["sliding_attention" if s else "full_attention" for s in sliding]
     types = tuple(types)
+    if len(types) != num_layers or set(types) - set(LAYER_TYPES):
+        raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of the "
+                         f"{num_layers} layers, got {list(types)}")
     if "sliding_attention" not in types:
         return None, ()
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:

@@ -88,11 +88,38 @@ def test_architecture_flags():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 0}, "vocab_size"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0},
+     "sliding_window must be a positive integer"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types must name"),
+    ({"model_type": "gemma3_text", "sliding_window": 8,
+      "rope_parameters": {"full_attention": {}}},
+     "lacks \\['sliding_attention'\\]"),
 ])
 def test_unsupported_settings_name_the_setting(change, message):
     with pytest.raises(ValueError, match=message):
         config_from_hf({**BASE, **change})
+
+
+def test_each_family_says_which_layers_slide():
+    """Without `layer_types` (transformers 4.x files), each family's own rule, counted by
+    hand; with it, as written. Layers that differ cannot share one scanned layer."""
+    def windows(**hf):
+        return config_from_hf({**BASE, "num_hidden_layers": 6, "sliding_window": 8, **hf})
+
+    gemma2 = windows(model_type="gemma2")
+    assert gemma2.layer_windows == (8, None, 8, None, 8, None) and not gemma2.layers_alike
+    assert gemma2.tie_word_embeddings and gemma2.gemma.query_pre_attn_scalar == 16  # head_dim
+    gemma3 = windows(model_type="gemma3_text", sliding_window_pattern=3, rope_theta=1e6,
+                     rope_local_base_freq=1e4)
+    assert gemma3.layer_windows == (8, 8, None, 8, 8, None)
+    assert (gemma3.layer_rope(0).theta, gemma3.layer_rope(2).theta) == (1e4, 1e6)
+    qwen2 = windows(model_type="qwen2", use_sliding_window=True, max_window_layers=4)
+    assert qwen2.layer_windows == (None,) * 4 + (8, 8)
+    assert windows(model_type="qwen2").layer_windows == (None,) * 6  # use_sliding_window off
+    mistral = windows(model_type="mistral")
+    assert mistral.layer_windows == (8,) * 6 and mistral.layers_alike
+    written = windows(layer_types=["full_attention"] * 5 + ["sliding_attention"])
+    assert written.layer_windows == (None,) * 5 + (8,)
 
 
 def test_missing_field_and_bad_files(tmp_path):

@@ -1,0 +1,39 @@
+"""Models whose layers differ (Gemma 2 and 3: sliding and global layers, Gemma 3's two ropes;
+Qwen2 with `use_sliding_window`), sharded over 4 devices (8 query heads, 2 kv heads: kv heads
+repeated): greedy tokens equal transformers' for prompts longer than the window, and such a
+model runs its layers as a loop (asking for the scan is refused by name). One device is
+checked for every family in `test_hf_parity.py`."""
+
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from sweeps import sweep
+from tiny_models import SMALL_ENGINE, build_model
+
+PROMPTS = [[(5 * i + 3 * n) % 300 + 2 for i in range(n)] for n in (30, 4, 19)]  # window 12
+NEW_TOKENS = 16
+
+
+def transformers_tokens(hf_model, prompt):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        return hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", sweep(["gemma3_text", "gemma2", "qwen2_sliding"], keep={0}))
+def test_sharded_layer_variants_equal_transformers(name, tmp_path):
+    """gemma3_text in the main suite; gemma2 and qwen2_sliding in the slow step."""
+    hf_model = build_model(name, tmp_path, num_layers=3, num_attention_heads=8,
+                           num_key_value_heads=2)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, tensor_parallel_size=4,
+              **SMALL_ENGINE)
+    assert not llm.model.scan_layers
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == transformers_tokens(hf_model, prompt)
+    with pytest.raises(ValueError, match="scan_layers: this model's layers differ"):
+        LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True, **SMALL_ENGINE)
