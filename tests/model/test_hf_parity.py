@@ -23,9 +23,11 @@ NEW_TOKENS = 32
 
 # YaRN's parity runs in the slow step; its frequencies and scale are checked against
 # transformers' own computation in the main suite (tests/model/test_config.py). Mixtral's
-# too: Qwen3-MoE's experts run in the main suite here and in tests/model/test_moe.py.
+# too: Qwen3-MoE's experts run in the main suite here and in tests/model/test_moe.py. The
+# sliding Qwen2's too: Gemma's layers slide in the main suite.
 FAMILIES = sorted(ARCHITECTURES)
-MAIN_SUITE = {i for i, name in enumerate(FAMILIES) if name not in ("llama_yarn", "mixtral")}
+MAIN_SUITE = {i for i, name in enumerate(FAMILIES)
+              if name not in ("llama_yarn", "mixtral", "qwen2_sliding")}
 
 
 @pytest.fixture(scope="module", params=sweep(FAMILIES, keep=MAIN_SUITE))
