@@ -91,6 +91,13 @@ ARCHITECTURES = {
         norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4,
                                                             num_experts_per_tok=2)),
+    # GLM-4.5's MoE: sigmoid routing in 2 groups of 3 (one kept), a correction bias, a
+    # shared expert, the first layer dense, rope on half of head_dim, q/k norm
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True,
+        attention_bias=True)),
     # Gemma: caps small enough to bend these scores and logits, a query scale that is not
     # head_dim's, sliding and global layers alternating, prompts longer than the window
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -154,6 +161,9 @@ def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **o
             for part, scale in scales.items():
                 if f".{part}." in name:
                     param.mul_(scale)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # enough to change the choice
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     build_tokenizer(folder)

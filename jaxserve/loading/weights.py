@@ -86,7 +86,7 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
         return lambda w: w.T.reshape(e, h, d)
 
     entries = {
-        **(_moe_entries(cfg, i) if cfg.moe else _mlp_entries(cfg, i)),
+        **(_moe_entries(cfg, i) if cfg.sparse_layer(i) else _mlp_entries(cfg, i)),
         hf + "self_attn.q_proj.weight": (ours + ("attn", "q_proj"), heads_in(hq), (hq * d, e)),
         hf + "self_attn.k_proj.weight": (ours + ("attn", "k_proj"), heads_in(hkv), (hkv * d, e)),
         hf + "self_attn.v_proj.weight": (ours + ("attn", "v_proj"), heads_in(hkv), (hkv * d, e)),
@@ -114,10 +114,12 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
     return entries
 
 
-def _mlp_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable, tuple]]:
-    """The dense MLP's tensors of layer i."""
-    e, m = cfg.hidden_size, cfg.intermediate_size
-    hf, ours = f"model.layers.{i}.mlp.", ("layers", i, "mlp")
+def _mlp_entries(cfg: ModelConfig, i: int, part: str = "", width: int | None = None
+                 ) -> dict[str, tuple[tuple, Callable, tuple]]:
+    """The dense MLP's tensors of layer i (`part`: a MoE's shared experts, `width` wide)."""
+    e, m = cfg.hidden_size, width or cfg.intermediate_size
+    hf = f"model.layers.{i}.mlp." + (f"{part}." if part else "")
+    ours = ("layers", i, "mlp") + (("shared",) if part else ())
     entries = {hf + "gate_proj.weight": (ours + ("gate_proj",), np.transpose, (m, e)),
                hf + "up_proj.weight": (ours + ("up_proj",), np.transpose, (m, e)),
                hf + "down_proj.weight": (ours + ("down_proj",), np.transpose, (e, m))}
@@ -129,7 +131,8 @@ def _mlp_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable, t
 
 # Mixture-of-experts checkpoints: (prefix, router, expert gate, up, down) per family.
 _MOE_NAMES = {"qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
-              "mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2")}
+              "mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
+              "glm4_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
 
 
 class ExpertSlot(tuple):
@@ -150,6 +153,11 @@ def _moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
                                        (down, "down_proj", (e, m))):
             entries[hf + f"experts.{j}.{name}.weight"] = (
                 ExpertSlot((ours + (ours_name,), j, x)), np.transpose, shape)
+    if cfg.moe.scoring == "sigmoid":
+        entries[hf + f"{router}.e_score_correction_bias"] = (ours + ("correction_bias",),
+                                                            None, (x,))
+    if cfg.moe.shared_experts:
+        entries.update(_mlp_entries(cfg, i, "shared_experts", m * cfg.moe.shared_experts))
     return entries
 
 

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2",
-                         "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe",
+                         "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -48,6 +48,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # the share of head_dim rotated (GLM: the first half)
 
 
 QUANTIZATION_METHODS = ("int8", "fp8")  # weight dtypes a model can be stored in
@@ -92,21 +93,40 @@ def _check_positive(config, names: tuple[str, ...]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts feed-forward (every layer's, in place of the dense MLP): a
-    router scores `num_experts` SwiGLU experts of width `intermediate_size` per token, the
-    softmax's `top_k` best run, weighted by their probabilities (renormalized to sum to 1
-    when `normalize_top_k`: always in Mixtral, `norm_topk_prob` in Qwen3-MoE)."""
+    """A mixture-of-experts feed-forward (in place of the dense MLP, on every layer but
+    `ModelConfig.dense_layers`): a router scores `num_experts` SwiGLU experts of width
+    `intermediate_size` per token and the `top_k` best run, weighted by their scores.
+
+    `scoring` "softmax" (Qwen3-MoE, Mixtral): the softmax's top k, renormalized to sum to 1
+    when `normalize_top_k` (always in Mixtral, `norm_topk_prob` in Qwen3-MoE). "sigmoid"
+    (GLM-4.5, DeepSeek-V3's MoE): sigmoid scores; the choice adds a per-expert
+    `e_score_correction_bias` and keeps only the `top_k_groups` best of `num_groups` groups
+    of experts (a group's score: its two best); the weights are the chosen sigmoid scores,
+    normalized when `normalize_top_k`, times `routed_scaling_factor`. `shared_experts`: that
+    many experts' width of a plain SwiGLU every token also runs (0: none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     normalize_top_k: bool = True
+    scoring: str = "softmax"
+    num_groups: int = 1
+    top_k_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts: int = 0
 
     def __post_init__(self):
-        _check_positive(self, ("num_experts", "top_k", "intermediate_size"))
+        _check_positive(self, ("num_experts", "top_k", "intermediate_size", "num_groups",
+                               "top_k_groups"))
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of "
                              f"experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got "
+                             f"{self.scoring!r}")
+        if self.num_experts % self.num_groups or self.top_k_groups > self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must divide the {self.num_experts} "
+                             f"experts and be at least topk_group ({self.top_k_groups})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +172,7 @@ class ModelConfig:
     checkpoint_dtype: str | None = None  # `torch_dtype`/`dtype` as saved, used by dtype="auto"
     quantization: WeightQuantization | None = None  # None: weights in the compute dtype
     moe: MoEConfig | None = None  # None: dense MLPs
+    dense_layers: tuple[int, ...] = ()  # with `moe`: layers whose MLP is dense all the same
 
     def __post_init__(self):
         _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -194,9 +215,14 @@ class ModelConfig:
 
     @property
     def layers_alike(self) -> bool:
-        """Whether every layer attends alike (window, rope), so that one stacked layer can
-        stand for all of them (`scan_layers`)."""
-        return len({(w, self.layer_rope(i)) for i, w in enumerate(self.layer_windows)}) == 1
+        """Whether every layer is alike (window, rope, dense or sparse MLP), so that one
+        stacked layer can stand for all of them (`scan_layers`)."""
+        return (not self.dense_layers and
+                len({(w, self.layer_rope(i)) for i, w in enumerate(self.layer_windows)}) == 1)
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.moe is not None and layer not in self.dense_layers
 
 
 def _read_rope(hf: dict[str, Any]) -> RopeConfig:
@@ -212,6 +238,13 @@ def _read_rope(hf: dict[str, Any]) -> RopeConfig:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_scaling rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor")
+                    or 1.0)
+    if partial != 1.0:
+        if rope_type != "default":
+            raise ValueError(f"partial_rotary_factor {partial} with rope_type {rope_type!r} "
+                             "is not supported")
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if params.get("factor") is None:
@@ -305,6 +338,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
     qkv_bias = True if model_type == "qwen2" else attention_bias
     o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
+    moe, dense_layers = _read_moe(hf) if model_type in MOE_MODEL_TYPES else (None, ())
     sliding_window, layer_types = _read_layer_types(hf, model_type)
     gemma = model_type in GEMMA_MODEL_TYPES
     rope, local_rope = _read_ropes(hf, model_type)
@@ -324,7 +358,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                 or bool(hf.get("use_qk_norm"))),
         sliding_window=sliding_window,
         layer_types=layer_types,
         local_rope=local_rope,
@@ -336,7 +371,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         quantization=checkpoint_quantization(hf),
-        moe=_read_moe(hf) if model_type in MOE_MODEL_TYPES else None,
+        moe=moe,
+        dense_layers=dense_layers,
     )
 
 
@@ -393,21 +429,26 @@ def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeCo
     return _read_rope(hf), None
 
 
-def _read_moe(hf: dict[str, Any]) -> MoEConfig:
-    """The experts of a qwen3_moe or mixtral config. Every layer must be sparse: Qwen3-MoE's
-    `decoder_sparse_step` > 1 or `mlp_only_layers` (dense layers among sparse ones) are
-    refused until layers of two kinds can share one scanned stack."""
-    experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if hf.get("model_type") == "qwen3_moe":
-        if hf.get("mlp_only_layers"):
-            raise ValueError(f"mlp_only_layers {hf['mlp_only_layers']} (dense layers among "
-                             "the sparse ones) is not supported yet")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"decoder_sparse_step {hf['decoder_sparse_step']} (dense layers "
-                             "among the sparse ones) is not supported yet; 1 is")
-        return MoEConfig(experts, hf.get("num_experts_per_tok"),
-                         hf.get("moe_intermediate_size"), bool(hf.get("norm_topk_prob")))
-    return MoEConfig(experts, hf.get("num_experts_per_tok"), hf.get("intermediate_size"))
+def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
+    """The experts of a qwen3_moe, mixtral or glm4_moe config, and the layers that keep a
+    dense MLP: Qwen3-MoE's `mlp_only_layers` and those `decoder_sparse_step` skips, GLM's
+    first `first_k_dense_replace`."""
+    model_type, layers = hf.get("model_type"), range(hf["num_hidden_layers"])
+    if model_type == "qwen3_moe":
+        step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        dense = tuple(i for i in layers if i in dense_only or (i + 1) % step)
+        return MoEConfig(hf.get("num_experts"), hf.get("num_experts_per_tok"),
+                         hf.get("moe_intermediate_size"), bool(hf.get("norm_topk_prob"))), dense
+    if model_type == "glm4_moe":
+        dense = tuple(i for i in layers if i < hf.get("first_k_dense_replace", 0))
+        return MoEConfig(
+            hf.get("n_routed_experts") or hf.get("num_local_experts"),
+            hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
+            bool(hf.get("norm_topk_prob", True)), "sigmoid", hf.get("n_group") or 1,
+            hf.get("topk_group") or 1, float(hf.get("routed_scaling_factor", 1.0)),
+            int(hf.get("n_shared_experts") or 0)), dense
+    return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
+                     hf.get("intermediate_size")), ()
 
 
 def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:

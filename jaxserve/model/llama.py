@@ -1,5 +1,5 @@
 """Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, and
-with `jaxserve.model.moe` in place of the MLP, Qwen3-MoE and Mixtral).
+with `jaxserve.model.moe` in place of the MLP, Qwen3-MoE, Mixtral and GLM-4.5).
 
 Gemma (`cfg.gemma`) changes the norms ((1 + w), in float32), adds a norm on the attention's
 and the MLP's outputs, scales the embeddings and the queries, and may cap the final logits;
@@ -135,10 +135,7 @@ class Attention(nnx.Module):
                    for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = inverse_frequencies(self.rope, self.head_dim)  # [D/2]
-        scale = rope_scale(self.rope)
-        q = apply_rope(q, positions, inv_freq, scale)
-        k = apply_rope(k, positions, inv_freq, scale)
+        q, k = self._rotated(q, positions), self._rotated(k, positions)
         if self.query_scale is not None:
             q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
         out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
@@ -156,6 +153,15 @@ class Attention(nnx.Module):
         return project(spec, x, kernel[...], None if scale is None else scale[...],
                        self.quantization)
 
+    def _rotated(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x `[..., H, D]` with rope on its first `partial_rotary_factor * D` dimensions
+        (all of them but in GLM), the rest as they are."""
+        rotary = int(self.head_dim * self.rope.partial_rotary_factor)
+        inv_freq = inverse_frequencies(self.rope, rotary)  # [rotary / 2]
+        turned = apply_rope(x[..., :rotary], positions, inv_freq, rope_scale(self.rope))
+        return turned if rotary == self.head_dim else jnp.concatenate(
+            [turned, x[..., rotary:]], axis=-1)
+
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu,
                                                                     approximate=True)}
@@ -165,8 +171,9 @@ class MLP(nnx.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-GELU
     (Gemma's GeGLU)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        e, i = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
+                 intermediate_size: int | None = None):
+        e, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj, self.gate_proj_scale = _weight(cfg, "gate_proj", rngs, (e, i), dtype,
                                                        ("embed", "mlp"))
         self.up_proj, self.up_proj_scale = _weight(cfg, "up_proj", rngs, (e, i), dtype,
@@ -208,7 +215,8 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norm(cfg, e, dtype)
         self.attn = Attention(cfg, dtype, rngs, layer)
         self.post_attention_norm = norm(cfg, e, dtype)
-        self.mlp = SparseMoE(cfg, dtype, rngs) if cfg.moe else MLP(cfg, dtype, rngs)
+        self.mlp = (SparseMoE(cfg, dtype, rngs, lambda width: MLP(cfg, dtype, rngs, width))
+                    if cfg.sparse_layer(layer) else MLP(cfg, dtype, rngs))
         if cfg.gemma is not None:
             self.attn_output_norm = norm(cfg, e, dtype)
             self.mlp_output_norm = norm(cfg, e, dtype)

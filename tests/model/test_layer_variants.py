@@ -1,5 +1,5 @@
 """Models whose layers differ (Gemma 2 and 3: sliding and global layers, Gemma 3's two ropes;
-Qwen2 with `use_sliding_window`), sharded over 4 devices (8 query heads, 2 kv heads: kv heads
+Qwen2 with `use_sliding_window`; GLM-4.5: dense and mixture-of-experts layers), sharded over 4 devices (8 query heads, 2 kv heads: kv heads
 repeated): greedy tokens equal transformers' for prompts longer than the window, and such a
 model runs its layers as a loop (asking for the scan is refused by name). One device is
 checked for every family in `test_hf_parity.py`."""
@@ -23,9 +23,11 @@ def transformers_tokens(hf_model, prompt):
                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", sweep(["gemma3_text", "gemma2", "qwen2_sliding"], keep={0}))
+@pytest.mark.parametrize("name", sweep(["gemma3_text", "gemma2", "qwen2_sliding", "glm4_moe"],
+                                      keep={0}))
 def test_sharded_layer_variants_equal_transformers(name, tmp_path):
-    """gemma3_text in the main suite; gemma2 and qwen2_sliding in the slow step."""
+    """gemma3_text in the main suite; gemma2, qwen2_sliding and glm4_moe (a dense layer then
+    sparse ones) in the slow step."""
     hf_model = build_model(name, tmp_path, num_layers=3, num_attention_heads=8,
                            num_key_value_heads=2)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, tensor_parallel_size=4,

@@ -1,6 +1,7 @@
 """Mixture of experts (`jaxserve.model.moe`): the router against a numpy transcription of
 Qwen3-MoE's and Mixtral's (softmax, top-k with ties to the lower id, optional
-renormalization); the grouped layer against a per-token numpy loop, with every token on one
+renormalization) and of GLM-4.5's (sigmoid, correction bias, best groups, scaling); which
+layers stay dense; the grouped layer against a per-token numpy loop, with every token on one
 expert and experts that get none; Qwen3-MoE on stacked layers over tp=4 against
 transformers' greedy tokens (one device: tests/model/test_hf_parity.py)."""
 
@@ -13,7 +14,7 @@ from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf
-from jaxserve.model.moe import SparseMoE, route
+from jaxserve.model.moe import SparseMoE, route, route_sigmoid
 from tiny_models import SMALL_ENGINE, build_model, is_router
 
 
@@ -38,6 +39,48 @@ def test_router_matches_numpy_with_ties(normalize):
     want_weights, want_experts = numpy_route(logits, 3, normalize)
     np.testing.assert_array_equal(np.asarray(experts), want_experts)
     np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
+
+
+def numpy_route_sigmoid(logits, bias, moe: MoEConfig):
+    """GLM-4.5's router written out per token: sigmoid scores; each group's score is its
+    two best (score + bias); experts outside the best `top_k_groups` groups are out; the
+    top k of score + bias; weights the chosen scores, normalized, scaled."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    weights, experts = [], []
+    size = logits.shape[1] // moe.num_groups
+    for row in scores:
+        choice = row + bias
+        groups = [np.sort(choice[g * size:(g + 1) * size])[-2:].sum()
+                  for g in range(moe.num_groups)]
+        kept = np.argsort(groups)[::-1][:moe.top_k_groups]
+        allowed = np.where(np.repeat(np.isin(np.arange(moe.num_groups), kept), size),
+                           choice, -np.inf)
+        chosen = np.argsort(allowed)[::-1][:moe.top_k]
+        w = row[chosen] / (row[chosen].sum() + 1e-20) if moe.normalize_top_k else row[chosen]
+        weights.append(w * moe.routed_scaling_factor)
+        experts.append(chosen)
+    return np.array(weights), np.array(experts)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("normalize", [False, True])
+def test_sigmoid_router_matches_numpy(normalize):
+    """8 experts in 4 groups, 2 groups kept, top 3, a bias large enough to change choices."""
+    moe = MoEConfig(8, 3, 16, normalize, "sigmoid", num_groups=4, top_k_groups=2,
+                    routed_scaling_factor=2.5)
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(64, 8)).astype(np.float32)
+    bias = (0.5 * rng.normal(size=8)).astype(np.float32)
+    weights, experts = route_sigmoid(jnp.asarray(logits), jnp.asarray(bias), moe)
+    want_weights, want_experts = numpy_route_sigmoid(logits, bias, moe)
+    order = np.argsort(np.asarray(experts), axis=1)  # the chosen set, in any order
+    want_order = np.argsort(want_experts, axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),
+                                  np.take_along_axis(want_experts, want_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                               np.take_along_axis(want_weights, want_order, 1), rtol=1e-5)
+    unbiased = numpy_route_sigmoid(logits, 0 * bias, moe)[1]
+    assert (np.sort(unbiased, 1) != np.sort(want_experts, 1)).any()  # the bias counts
 
 
 def per_token_reference(layer: SparseMoE, x: np.ndarray) -> np.ndarray:
@@ -81,10 +124,6 @@ def test_unsupported_moe_settings_name_the_field():
     base = dict(model_type="qwen3_moe", vocab_size=16, hidden_size=8, intermediate_size=8,
                 num_hidden_layers=2, num_attention_heads=2, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=8)
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        config_from_hf({**base, "mlp_only_layers": [0]})
-    with pytest.raises(ValueError, match="decoder_sparse_step"):
-        config_from_hf({**base, "decoder_sparse_step": 2})
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         config_from_hf({**base, "num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="quantization"):
@@ -93,6 +132,25 @@ def test_unsupported_moe_settings_name_the_field():
             "config_groups": {"g": {"targets": ["Linear"], "weights": {
                 "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}})
     assert config_from_hf(base).moe == MoEConfig(4, 2, 8, normalize_top_k=False)
+    with pytest.raises(ValueError, match="n_group"):
+        config_from_hf({**base, "model_type": "glm4_moe", "n_routed_experts": 4,
+                        "n_group": 3})
+
+
+@pytest.mark.quick
+def test_dense_layers_among_sparse_ones():
+    """Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`, GLM's
+    `first_k_dense_replace`, counted by hand."""
+    base = dict(model_type="qwen3_moe", vocab_size=16, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=6, num_attention_heads=2, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=8)
+    assert config_from_hf(base).dense_layers == ()
+    assert config_from_hf({**base, "mlp_only_layers": [0, 4]}).dense_layers == (0, 4)
+    assert config_from_hf({**base, "decoder_sparse_step": 2}).dense_layers == (0, 2, 4)
+    glm = config_from_hf({**base, "model_type": "glm4_moe", "n_routed_experts": 4,
+                          "first_k_dense_replace": 2})
+    assert glm.dense_layers == (0, 1) and not glm.layers_alike
+    assert [glm.sparse_layer(i) for i in range(6)] == [False, False] + [True] * 4
 
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31)), [0] + list(range(100, 140, 3))]
