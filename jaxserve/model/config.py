@@ -385,6 +385,8 @@ def _read_layer_types(hf: dict[str, Any], model_type: str
     window = hf.get("sliding_window")
     num_layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
+    if types is None and window is None:  # no family slides without a window
+        return None, ()
     if types is None:
         if model_type in ("mistral", "mixtral"):
             sliding = [True] * num_layers

@@ -88,7 +88,7 @@ def test_architecture_flags():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 0}, "vocab_size"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0},
+    ({"layer_types": ["sliding_attention", "full_attention"]},
      "sliding_window must be a positive integer"),
     ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types must name"),
     ({"model_type": "gemma3_text", "sliding_window": 8,
@@ -118,6 +118,7 @@ def test_each_family_says_which_layers_slide():
     assert windows(model_type="qwen2").layer_windows == (None,) * 6  # use_sliding_window off
     mistral = windows(model_type="mistral")
     assert mistral.layer_windows == (8,) * 6 and mistral.layers_alike
+    assert windows(model_type="mistral", sliding_window=None).layer_windows == (None,) * 6
     written = windows(layer_types=["full_attention"] * 5 + ["sliding_attention"])
     assert written.layer_windows == (None,) * 5 + (8,)
 
