@@ -68,11 +68,12 @@ class AttentionBackend:
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata,
                window: int | None):
-        """With sliding window `window`, on one device's heads: q `[T, Hq, D]`, k/v `[T, Hkv, D]`, layer_cache
-        `(k_pages, v_pages)` `[N, page_size / f, f * Hkv * D]` (f tokens a row on TPU,
-        `kv_quant.tokens_per_row`; `page_size` says f), with `(k_scales, v_scales)`
-        `[N, Hkv * S]` after them for int8 pages (`pallas_kernels.kv_quant`); `slots
-        [T]` and `page_indices [S, P]` already address this layer's pages → (out `[T, Hq, D]`,
+        """With sliding window `window`, on one device's heads: q `[T, Hq, D]`, k/v
+        `[T, Hkv, D]`, layer_cache `(k_pages, v_pages)` `[N, page_size / f, f * Hkv * D]`
+        (f tokens a row on TPU, `kv_quant.tokens_per_row`; `page_size` says f), with
+        `(k_scales, v_scales)` `[N, Hkv * S]` after them for int8 pages
+        (`pallas_kernels.kv_quant`); `slots [T]` and `page_indices [S, P]` already address
+        this layer's pages → (out `[T, Hq, D]`,
         new layer cache)."""
         raise NotImplementedError
 

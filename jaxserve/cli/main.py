@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from jaxserve import __version__
 from jaxserve.tool_calling import REASONING_PARSERS, TOOL_PARSERS, ChatParsing

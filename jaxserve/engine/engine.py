@@ -118,7 +118,8 @@ def scan_layers_for(config: EngineConfig, model: ModelConfig,
                     platform: str | None = None) -> bool:
     """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU
     when the model's layers are alike (Gemma's sliding and global layers, GLM's dense and
-    sparse ones are not: they run as a loop). `platform`: where the programs will run (default: JAX's default backend)."""
+    sparse ones are not: they run as a loop). `platform`: where the programs will run
+    (default: JAX's default backend)."""
     if config.scan_layers and not model.layers_alike:
         raise ValueError("scan_layers: this model's layers differ (sliding window, rope, or "
                          "dense and sparse MLPs), so one stacked layer cannot stand for all "

@@ -1,8 +1,9 @@
 """Models whose layers differ (Gemma 2 and 3: sliding and global layers, Gemma 3's two ropes;
-Qwen2 with `use_sliding_window`; GLM-4.5: dense and mixture-of-experts layers), sharded over 4 devices (8 query heads, 2 kv heads: kv heads
-repeated): greedy tokens equal transformers' for prompts longer than the window, and such a
-model runs its layers as a loop (asking for the scan is refused by name). One device is
-checked for every family in `test_hf_parity.py`."""
+Qwen2 with `use_sliding_window`; GLM-4.5: dense and mixture-of-experts layers), sharded over
+4 devices (8 query heads, 2 kv heads: kv heads repeated): greedy tokens equal transformers'
+for prompts longer than the window, and such a model runs its layers as a loop (asking for
+the scan is refused by name). One device is checked for every family in
+`test_hf_parity.py`."""
 
 import pytest
 import torch
