@@ -45,3 +45,20 @@ def reference_tokens(base: Path, adapter: Path | None, prompts: list[list[int]],
                                        eos_token_id=None, pad_token_id=0)
             out.append(generated[0, len(prompt):].tolist())
     return out
+
+
+def base_and_adapters(root: Path, prompt: list[int], max_tokens: int, seed: int = 0
+                      ) -> tuple[Path, dict[str, Path], dict[str | None, list[int]]]:
+    """A tiny Llama in `root / "base"` and every adapter of ADAPTERS beside it (seeds from
+    `seed`), with transformers' (+ peft's) greedy tokens for `prompt` under each (None: the
+    base alone)."""
+    from tiny_models import build_model
+
+    build_model("llama", root / "base")
+    folders = {}
+    for offset, (name, config) in enumerate(ADAPTERS.items()):
+        folders[name] = root / name
+        write_adapter(root / "base", folders[name], seed + offset, **config)
+    expected = {name: reference_tokens(root / "base", folders.get(name), [prompt],
+                                       max_tokens)[0] for name in (None, *ADAPTERS)}
+    return root / "base", folders, expected

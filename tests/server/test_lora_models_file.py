@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from jaxserve.server.state import ServerOptions
-from peft_adapters import ADAPTERS, reference_tokens, write_adapter
+from peft_adapters import base_and_adapters
 from server_helpers import serving
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE
 
 MAX_TOKENS = 8
 PROMPT = [7 + (13 * i) % 280 for i in range(29)]
@@ -33,15 +33,9 @@ def models_toml(base, adapters: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_models")
-    build_model("llama", root / "base")
-    folders = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items()):
-        folders[name] = root / name
-        write_adapter(root / "base", folders[name], seed + 7, **config)
-    expected = {name: reference_tokens(root / "base", folders.get(name), [PROMPT],
-                                       MAX_TOKENS)[0] for name in (None, *ADAPTERS)}
+    base, folders, expected = base_and_adapters(root, PROMPT, MAX_TOKENS, seed=7)
     models = root / "models.toml"
-    models.write_text(models_toml(root / "base", {"2": folders["attn"]}))
+    models.write_text(models_toml(base, {"2": folders["attn"]}))
     with serving(ServerOptions(models_file=str(models))) as running:
         yield running, models, folders, expected
 

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from jaxserve.server.state import ServerOptions
-from peft_adapters import ADAPTERS, reference_tokens, write_adapter
+from peft_adapters import base_and_adapters
 from server_helpers import serving
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE
 
 NAME = "base"
 MAX_TOKENS = 10
@@ -21,15 +21,7 @@ PROMPT = [5 + (11 * i) % 290 for i in range(37)]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_server")
-    build_model("llama", root / "base")
-    folders = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items()):
-        folders[name] = root / name
-        write_adapter(root / "base", folders[name], seed, **config)
-    expected = {name: reference_tokens(root / "base", folders.get(name), [PROMPT],
-                                       MAX_TOKENS)[0] for name in (None, *ADAPTERS)}
-    return root / "base", folders, expected
+    return base_and_adapters(tmp_path_factory.mktemp("lora_server"), PROMPT, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
