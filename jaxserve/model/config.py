@@ -439,8 +439,9 @@ def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
     if model_type == "qwen3_moe":
         step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         dense = tuple(i for i in layers if i in dense_only or (i + 1) % step)
-        return MoEConfig(hf.get("num_experts"), hf.get("num_experts_per_tok"),
-                         hf.get("moe_intermediate_size"), bool(hf.get("norm_topk_prob"))), dense
+        return MoEConfig(hf.get("num_experts") or hf.get("num_local_experts"),
+                         hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
+                         bool(hf.get("norm_topk_prob"))), dense
     if model_type == "glm4_moe":
         dense = tuple(i for i in layers if i < hf.get("first_k_dense_replace", 0))
         return MoEConfig(
