@@ -365,7 +365,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         local_rope=local_rope,
         hidden_act=ACTIVATIONS[act],
         gemma=GemmaStyle(float(hf.get("query_pre_attn_scalar") or head_dim),
-                         hf.get("attn_logit_softcapping"),
+                         # transformers' Gemma 3 keeps this field but never caps its scores
+                         hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
                          hf.get("final_logit_softcapping")) if gemma else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),

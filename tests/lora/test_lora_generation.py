@@ -5,8 +5,8 @@ target modules and scalings, token for token.
 The prompts are the same for every adapter and longer than two pages, and the token budget
 admits one prompt per step, so a later request would find the earlier ones' pages in the
 prefix cache if the cache did not key pages by adapter. The two adapters share steps in two
-slots, at tp 4: the stacks split like the base weights, and the two kv heads are repeated,
-the adapters' k/v columns with them. Adapters taking turns in too few slots are
+slots, at tp 2 and 4: the stacks split like the base weights; at 4 the two kv heads are
+repeated, the adapters' k/v columns with them. Adapters taking turns in too few slots are
 tested over HTTP (tests/server/test_lora_server.py: one slot)."""
 
 import pytest
@@ -35,7 +35,8 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.slow  # the main suite's LoRA parity runs over HTTP (test_lora_server.py)
-def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, max_loras=2, tp=4):
+@pytest.mark.parametrize("tp", [2, 4])  # 2: kv heads split as they are; 4: repeated
+def test_a_batch_mixing_adapters_equals_transformers_and_peft(models, tp, max_loras=2):
     base, adapters, expected = models
     assert expected["attn"] != expected[None] != expected["everything"]  # each one matters
     llm = LLM(str(base), dtype="float32", progress=False, enable_lora=True,

@@ -113,6 +113,9 @@ def test_each_family_says_which_layers_slide():
                      rope_local_base_freq=1e4)
     assert gemma3.layer_windows == (8, 8, None, 8, 8, None)
     assert (gemma3.layer_rope(0).theta, gemma3.layer_rope(2).theta) == (1e4, 1e6)
+    # transformers' Gemma 3 never applies an attention cap, whatever its config says
+    assert windows(model_type="gemma3_text", attn_logit_softcapping=50.0
+                   ).gemma.attn_logit_softcap is None
     qwen2 = windows(model_type="qwen2", use_sliding_window=True, max_window_layers=4)
     assert qwen2.layer_windows == (None,) * 4 + (8, 8)
     assert windows(model_type="qwen2").layer_windows == (None,) * 6  # use_sliding_window off
