@@ -43,6 +43,15 @@ class PagedBatch:
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
+def layer_window(windows: tuple[int | None, ...], layer_index) -> int | None:
+    """Layer `layer_index`'s window among `windows` (one per layer, or one for all). The
+    index may be traced only when every layer has the same window; models whose windows
+    differ run their layers as a loop, so the index is a Python int."""
+    if len(set(windows)) == 1:
+        return windows[0]
+    return windows[layer_index]
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """One way to attend over the paged cache (subclasses: pallas, cpu, reference).
@@ -89,11 +98,7 @@ class AttentionBackend:
         return tuple(dict.fromkeys(self.windows))
 
     def window_of(self, layer_index) -> int | None:
-        """Layer `layer_index`'s window (a Python int when the layers' windows differ: such
-        models run their layers as a loop)."""
-        if len(self.distinct_windows) == 1:
-            return self.windows[0]
-        return self.windows[layer_index]
+        return layer_window(self.windows, layer_index)
 
     def for_step(self, batch: PagedBatch) -> "PagedAttention":
         return PagedAttention(batch, self.step_metadata(batch), self)

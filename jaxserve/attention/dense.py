@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.attention.backend import layer_window
 from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import page_dtype, round_trip
 
@@ -72,7 +73,7 @@ class DenseAttention:
             scores = self.soft_cap * jnp.tanh(scores / self.soft_cap)
         query_pos = self.positions[:, :, None]  # [B, T, 1]
         visible = key_pos <= query_pos  # [B, T, S]
-        window = self.windows[0] if len(set(self.windows)) == 1 else self.windows[layer_index]
+        window = layer_window(self.windows, layer_index)
         if window is not None:
             visible &= query_pos - key_pos < window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
