@@ -135,7 +135,8 @@ def run_startup(report: Report, quick: bool, deadline: float) -> None:
     import jax
 
     from jaxserve.bench import startup_bench
-    from jaxserve.bench.device_serving import FULL, QUICK, QUICK_CONFIG, preset_for
+    from jaxserve.bench.device_serving import (FULL, QUICK, QUICK_CONFIG, QUICK_LADDER,
+                                               preset_for)
     from jaxserve.bench.random_model import CONFIG, build_random_model
     from pallas_kernels.device_check import error_text
 
@@ -152,6 +153,10 @@ def run_startup(report: Report, quick: bool, deadline: float) -> None:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = STARTUP_GPU_MEM_FRACTION
         # The serving section's batch limit: the same ladder of programs.
         flags = ["--max-num-seqs", str(max((QUICK if quick else FULL).batches))]
+        if quick:  # the serving section's ladder too
+            for name, value in QUICK_LADDER.items():
+                flags += [f"--{name.replace('_', '-')}",
+                          *map(str, value if isinstance(value, tuple) else (value,))]
         row: dict[str, Any] = {"model": "random llama " + ("tiny" if quick else "60M"),
                                "preset": args.config, "flags": " ".join(flags),
                                **({"gpu_mem_fraction": STARTUP_GPU_MEM_FRACTION}

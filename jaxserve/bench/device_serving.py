@@ -63,6 +63,10 @@ class Workload:
 
 FULL = Workload(batches=(1, 16, 64, 256), prompt_len=1024, new_tokens=128)
 QUICK = Workload(batches=(1, 4), prompt_len=24, new_tokens=8)
+# --quick rehearses on CPU, where each program compiles for seconds: one rung of tokens per
+# step (4 prompts of 24 run as chunks) keeps each engine to a step and a decode program per
+# rung of rows, and exercises chunked prompts as well.
+QUICK_LADDER = {"max_num_batched_tokens": 32, "token_buckets": (32,)}
 
 
 def preset_for(device: jax.Device) -> str | None:
@@ -206,7 +210,8 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
         if time.perf_counter() > deadline:
             add({"variant": variant, "skipped": "time budget spent"})
             continue
-        options = {"max_num_seqs": max(work.batches), **overrides}
+        options = {"max_num_seqs": max(work.batches), **(QUICK_LADDER if quick else {}),
+                   **overrides}
         try:
             started = time.perf_counter()
             engine, used, weight_bytes = build_engine(config, options, progress)
