@@ -239,8 +239,12 @@ class Runner:
     def _decode(self, layout: Layout, state_leaves, caches, packed, history, allowed,
                 last_tokens):
         """The decode loop. Rows under a grammar run one step (the scheduler sees to it: the
-        next bitmask needs the token just sampled), so `allowed` holds for every step run."""
+        next bitmask needs the token just sampled), so `allowed` holds for every step run.
+        With a draft model (steps of more rows than `disable_by_batch_size` do not
+        speculate), the draft is fed every token too, so that its cache has no gap when
+        later steps speculate again."""
         model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history, allowed)
+        draft = self._draft(state_leaves)
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
         row = jnp.arange(rows)
@@ -266,10 +270,16 @@ class Runner:
             step, out, count, done, current, position, counts, caches = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
-            attention = self.attention.for_step(PagedBatch(
-                slots, jnp.where(valid, position + 1, 0), inp.page_indices, cu_q_lens,
-                inp.num_seqs, decode_only=True))
-            hidden, caches = model(current, position, caches, attention, lora)  # [S, E]
+            batch = PagedBatch(slots, jnp.where(valid, position + 1, 0), inp.page_indices,
+                               cu_q_lens, inp.num_seqs, decode_only=True)
+            if draft is not None:
+                caches, draft_caches = caches
+                _, draft_caches = draft[0](current, position, draft_caches,
+                                           draft[1].for_step(batch))
+            hidden, caches = model(current, position, caches, self.attention.for_step(batch),
+                                   lora)  # [S, E]
+            if draft is not None:
+                caches = (caches, draft_caches)
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts, inp.allowed)
             new = result.tokens  # [S]

@@ -86,10 +86,6 @@ class SpeculativeConfig:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config.model is required with method "
                                  "'draft_model': the draft's folder or Hub id")
-            if self.disable_by_batch_size is not None:
-                raise ValueError("speculative_config.disable_by_batch_size is not supported "
-                                 "with method 'draft_model' yet (the plain decode loop does "
-                                 "not keep the draft's cache)")
         elif self.model is not None:
             raise ValueError(f"speculative_config.model is for method 'draft_model'; method "
                              f"{self.method!r} has no model")

@@ -197,17 +197,24 @@ def test_a_draft_model_keeps_the_target_tokens(folder, base, poor_draft):
 
 def test_the_target_as_its_own_draft_is_always_accepted(folder, base):
     """A draft with the target's weights proposes the target's greedy tokens, so every draft
-    is accepted: its KV cache (filled by prompt steps, re-fed and extended each round) holds
-    what the target's holds."""
+    is accepted: its KV cache (filled by prompt steps, re-fed and extended each round, and fed
+    by the plain decode loop while more rows run than `disable_by_batch_size`) holds what the
+    target's holds."""
     llm = LLM(str(folder), dtype="float32", progress=False,
               speculative_config={"method": "draft_model", "model": str(folder),
-                                  "num_speculative_tokens": 3}, **SMALL_ENGINE)
+                                  "num_speculative_tokens": 3, "disable_by_batch_size": 2},
+              **SMALL_ENGINE)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm.generate(prompts()[:1], params)  # alone, then four at once (prompts beside decodes)
-    assert tokens(llm.generate(prompts(), params)) == tokens(base.generate(prompts(), params))
+    llm.generate(prompts()[:1], params)  # alone: speculates from the first decode step
+    drafted_alone = llm.engine.metrics.snapshot()["counters"]["spec_decode_num_draft_tokens"]
+    # Four at once (prompts beside decodes): the plain loop runs them until two finish, then
+    # the other two speculate on the draft cache the plain loop kept.
+    mixed = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 40) * 2]
+    assert tokens(llm.generate(prompts(), mixed)) == tokens(base.generate(prompts(), mixed))
     counters = llm.engine.metrics.snapshot()["counters"]
+    assert counters["spec_decode_num_draft_tokens"] - drafted_alone > 40
     assert counters["spec_decode_num_accepted_tokens"] == counters[
-        "spec_decode_num_draft_tokens"] > 100
+        "spec_decode_num_draft_tokens"]
 
 
 def test_speculative_config_is_checked_by_key(folder):
