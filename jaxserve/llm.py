@@ -38,6 +38,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.presets import engine_settings
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.speculative import eagle3
 from jaxserve.speculative.draft import draft_config, load_draft
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
@@ -84,6 +85,11 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     spec = engine_config.speculative_config
     if spec is not None and spec.method == "draft_model":
         draft_config(spec, model_config)  # the draft's folder and vocabulary, checked early
+    if spec is not None and spec.method == "eagle3":
+        eagle3.read_config(spec, model_config)  # the head's folder and shapes, checked early
+        if engine_config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size "
+                             f"1 for now, not {engine_config.tensor_parallel_size}")
     first = jax.devices()[0]
     model_config = with_quantization(model_config, engine_config.quantization,
                                      engine_config.quantize_activations, first.platform,
@@ -115,6 +121,8 @@ class LLM:
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = load_draft(spec, self.config, self.dtype, mesh, progress)
+        elif spec is not None and spec.method == "eagle3":
+            draft = eagle3.load_head(spec, self.config, self.dtype)
         eos = eos_token_ids(model_dir, self.config.eos_token_ids,
                             self.tokenizer.eos_token_id if self.tokenizer else None)
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress,

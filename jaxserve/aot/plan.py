@@ -56,6 +56,7 @@ from jaxserve.presets import Preset
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.weights import abstract_sharded_model
 from jaxserve.lora.stacks import slot_stack_bytes
+from jaxserve.speculative import eagle3
 from jaxserve.speculative.draft import draft_config
 
 
@@ -252,8 +253,14 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
 
 def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool):
     """The abstract draft model of `speculative_config` method "draft_model" (its config
-    read, its vocabulary checked against the target's), or None."""
+    read, its vocabulary checked against the target's), or the EAGLE-3 head of "eagle3",
+    or None."""
     spec = engine.speculative_config
+    if spec is not None and spec.method == "eagle3":
+        if engine.tensor_parallel_size > 1:
+            raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size"
+                             f" 1 for now, not {engine.tensor_parallel_size}")
+        return eagle3.abstract_head(spec, target_config, dtype, mesh)
     if spec is None or spec.method != "draft_model":
         return None
     _, config = draft_config(spec, target_config, config_only=True)

@@ -162,7 +162,8 @@ class Engine:
                  draft: LlamaModel | None = None):
         """`load_seconds`: how long reading `model`'s weights took (start-up's "load" phase
         begins there; placing and stacking them here counts too). `draft`: the draft model
-        of `speculative_config` method "draft_model" (`jaxserve.speculative.draft`)."""
+        of `speculative_config` method "draft_model" (`jaxserve.speculative.draft`), or
+        the head of "eagle3" (`jaxserve.speculative.eagle3`)."""
         started = time.perf_counter()
         self.config = config
         self.tokenizer = tokenizer
@@ -182,7 +183,8 @@ class Engine:
         model = placed(model)
         self.model = model
         self.model_config: ModelConfig = model.config  # as stored: kv heads maybe repeated
-        draft = None if draft is None else placed(draft)
+        if draft is not None:  # an EAGLE-3 head is small: every device holds all of it
+            draft = placed(draft) if isinstance(draft, LlamaModel) else draft.on_mesh(self.mesh)
         dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)  # of the KV pages
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         lora_bytes = slot_stack_bytes(model.config, config.max_loras, config.max_lora_rank,

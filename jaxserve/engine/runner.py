@@ -73,6 +73,7 @@ from jaxserve.lora.stacks import slot_stacks, write_slot
 from jaxserve.model import LlamaModel
 from jaxserve.model.lora import LORA_MODULES, LoRABatch
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.speculative import eagle3
 from jaxserve.speculative.rounds import speculative_rounds
 
 # The batcher builds step inputs in numpy; the programs take them as pytrees.
@@ -105,6 +106,9 @@ class Runner:
         self._state_leaves, self._state_def = jax.tree.flatten(self.state)
         self._num_model_leaves = len(self._state_leaves)
         self.draft_config = draft.config if draft is not None else None
+        self.eagle = isinstance(draft, eagle3.Eagle3Head)  # drafts from the target's states
+        spec = config.speculative_config
+        self.spec_width = 0 if spec is None else spec.num_speculative_tokens + 1
         if draft is not None:  # its leaves follow the target's in the same flat list
             self.draft_graphdef, draft_state = nnx.split(draft)
             draft_leaves, self._draft_def = jax.tree.flatten(draft_state)
@@ -129,16 +133,25 @@ class Runner:
         if draft is not None:
             self.draft_attention = make_backend(config, draft.config, mesh, num_pages,
                                                 draft.scan_layers, platform)
+        # an EAGLE head's cache is its pool and what each row left it to read (`State`)
+        head_state = None if not self.eagle else functools.partial(
+            eagle3.State.zeros, max(config.seq_buckets),
+            config.speculative_config.num_speculative_tokens + 1, draft.config.hidden_size,
+            draft.compute_dtype, sharding.replicated(mesh), abstract)
         if abstract:
             pools = [cache_structure(m.config, num_pages, config.page_size, cache_dtype,
                                      m.scan_layers, mesh, platform) for m in models]
-            self.caches = pools[0] if draft is None else tuple(pools)
+            self.caches = (pools[0] if draft is None else
+                           (pools[0], (pools[1], head_state())) if self.eagle else
+                           tuple(pools))
         else:
             allocators = [functools.partial(
                 allocate_kv_cache, m.config, num_pages, config.page_size, cache_dtype, mesh,
                 m.scan_layers, config.calculate_kv_scales, platform) for m in models]
-            self._allocate_caches = (allocators[0] if draft is None else
-                                     lambda: tuple(allocate() for allocate in allocators))
+            self._allocate_caches = (
+                allocators[0] if draft is None else
+                (lambda: (allocators[0](), (allocators[1](), head_state()))) if self.eagle else
+                (lambda: tuple(allocate() for allocate in allocators)))
             self.caches = self._allocate_caches()
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
@@ -220,19 +233,32 @@ class Runner:
                            inp.num_seqs)
         token_ids = self._token_ids(inp, last_tokens)
         draft = self._draft(state_leaves)
+        head = draft[0] if self.eagle else None
         if draft is not None:  # the draft keeps its cache over every token the target sees
             caches, draft_caches = caches
-            _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
-                                       draft[1].for_step(batch))
+            if head is None:
+                _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
+                                           draft[1].for_step(batch))
         lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)
-        hidden, caches = model(token_ids, inp.positions, caches,
-                               self.attention.for_step(batch), lora)  # [T, E]
-        if draft is not None:
-            caches = (caches, draft_caches)
+        forward = model(token_ids, inp.positions, caches, self.attention.for_step(batch), lora,
+                        aux_layers=() if head is None else head.eagle.aux_layer_ids)
+        hidden, caches = forward[:2]  # [T, E]
+        if head is not None:  # an EAGLE head reads the target's states of the same step
+            head_pool, state = draft_caches
+            carried = state.last_hidden(inp.token_source, self.spec_width)  # [T, E]
+            _, _, head_pool = head(head.embeddings(model, token_ids),
+                                   eagle3.step_hidden(head, forward[2], inp.cu_q_lens, carried),
+                                   inp.positions, head_pool, draft[1].for_step(batch))
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
                                           inp.sampling)
         result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts, inp.allowed)
+        if head is not None:  # next: each row's sampled token, with its last token's state
+            joined = head.joined(forward[2][inp.logits_indices])  # [S, E]
+            draft_caches = (head_pool, state.stored(eagle3.single(result.tokens, joined,
+                                                                  self.spec_width)))
+        if draft is not None:
+            caches = (caches, draft_caches)
         prompt = target_logprobs(hidden, inp.prompt_targets, model.logits)  # [T] per field
         return result, prompt, caches, self._padded(result.tokens)
 
@@ -245,6 +271,7 @@ class Runner:
         later steps speculate again."""
         model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history, allowed)
         draft = self._draft(state_leaves)
+        head = draft[0] if self.eagle else None
         rows = inp.kv_lens.shape[0]
         page_size = self.config.page_size
         row = jnp.arange(rows)
@@ -263,21 +290,27 @@ class Runner:
         lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)  # a token a row
 
         def cond(carry):
-            step, _, _, done, _, _, _, _ = carry
+            step, _, _, done, *_ = carry
             return (step < num_steps) & ~jnp.all(done)
 
         def body(carry):
-            step, out, count, done, current, position, counts, caches = carry
+            step, out, count, done, current, position, counts, caches, joined = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
             batch = PagedBatch(slots, jnp.where(valid, position + 1, 0), inp.page_indices,
                                cu_q_lens, inp.num_seqs, decode_only=True)
             if draft is not None:
                 caches, draft_caches = caches
-                _, draft_caches = draft[0](current, position, draft_caches,
-                                           draft[1].for_step(batch))
-            hidden, caches = model(current, position, caches, self.attention.for_step(batch),
-                                   lora)  # [S, E]
+                if head is None:
+                    _, draft_caches = draft[0](current, position, draft_caches,
+                                               draft[1].for_step(batch))
+            forward = model(current, position, caches, self.attention.for_step(batch), lora,
+                            aux_layers=() if head is None else head.eagle.aux_layer_ids)
+            hidden, caches = forward[:2]  # [S, E]
+            if head is not None:  # the head reads each token with the state before it
+                _, _, draft_caches = head(head.embeddings(model, current), joined, position,
+                                          draft_caches, draft[1].for_step(batch))
+                joined = head.joined(forward[2])
             if draft is not None:
                 caches = (caches, draft_caches)
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
@@ -289,11 +322,24 @@ class Runner:
             stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1) | (count >= inp.max_new)
             position = jnp.where(done, position, position + 1)
             current = jnp.where(done, current, new)
-            return step + 1, out, count, done | stopped, current, position, counts, caches
+            return (step + 1, out, count, done | stopped, current, position, counts, caches,
+                    joined)
 
+        # an EAGLE head's hidden input: the target's joined state before each row's token,
+        # the first from what the last program left (`eagle3.State`)
+        joined = state = None
+        if head is not None:
+            caches, (head_pool, state) = caches
+            caches = (caches, head_pool)
+            joined = state.last_hidden(inp.token_source[:rows], self.spec_width)
         carry = (jnp.int32(0), out, count, done, self._token_ids(inp, last_tokens),
-                 inp.positions, counts, caches)
-        _, out, count, _, current, _, _, caches = jax.lax.while_loop(cond, body, carry)
+                 inp.positions, counts, caches, joined)
+        _, out, count, _, current, _, _, caches, joined = jax.lax.while_loop(cond, body,
+                                                                            carry)
+        if head is not None:
+            caches, head_pool = caches
+            caches = (caches, (head_pool, state.stored(
+                eagle3.single(current, joined, self.spec_width))))
         return out, count, caches, self._padded(current)  # SampleResult of [S, K], counts [S]
 
     def _spec(self, layout: Layout, state_leaves, caches, packed, history, allowed,

@@ -290,12 +290,14 @@ class LlamaModel(nnx.Module):
                                                        dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
-                 attention: AttentionFn, lora: LoRABatch | None = None
-                 ) -> tuple[jax.Array, Any]:
+                 attention: AttentionFn, lora: LoRABatch | None = None,
+                 aux_layers: tuple[int, ...] = ()):
         """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
 
         `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache.
-        `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot."""
+        `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot.
+        `aux_layers`: also return the inputs of these layers side by side `[..., n * E]`
+        (what an EAGLE-3 head reads)."""
         x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
                            self.compute_dtype)  # [..., E]
         if self.config.gemma is not None:  # sqrt(E), rounded to the compute dtype as HF does
@@ -304,23 +306,32 @@ class LlamaModel(nnx.Module):
             graphdef, stacked = nnx.split(self.layers)
 
             def one_layer(carry, per_layer):
-                x, cache = carry
+                x, cache, aux = carry
                 index, params, lora_stacks = per_layer
+                aux = tuple(jnp.where(index == at, x, kept) for at, kept in zip(aux_layers, aux))
                 layer_lora = None if lora is None else lora.with_stacks(lora_stacks)
                 x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache,
                                                        layer_lora)
-                return (x, cache), None
+                return (x, cache, aux), None
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             per_layer = (indices, stacked, None if lora is None else lora.stacks)
-            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), per_layer)
-            return self.final_norm(x), kv_cache
-        new_caches = []
+            aux = tuple(jnp.zeros_like(x) for _ in aux_layers)
+            (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), per_layer)
+            return self._outputs(x, kv_cache, aux)
+        new_caches, aux = [], [None] * len(aux_layers)
         for index, layer in enumerate(self.layers):
+            aux = [x if index == at else kept for at, kept in zip(aux_layers, aux)]
             x, cache = layer(index, x, positions, attention, kv_cache[index],
                              None if lora is None else lora.layer(index))
             new_caches.append(cache)
-        return self.final_norm(x), new_caches
+        return self._outputs(x, new_caches, aux)
+
+    def _outputs(self, x, kv_cache, aux):
+        """(final hidden states, cache), and the layer inputs asked for when there are some."""
+        if not aux:
+            return self.final_norm(x), kv_cache
+        return self.final_norm(x), kv_cache, jnp.concatenate(aux, axis=-1)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Hidden states `[..., E]` → float32 logits `[..., V]`."""

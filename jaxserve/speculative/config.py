@@ -14,8 +14,9 @@ it saves.
 
 `method` "draft_model" proposes with `model`, a smaller model of the same vocabulary (a
 Hugging Face folder or Hub id of any family jaxserve loads), greedily, k tokens one after
-another (`jaxserve.speculative.draft`). "eagle3" and vLLM's other methods are not run yet, and
-saying one is a `ValueError` that says so.
+another (`jaxserve.speculative.draft`). "eagle3" proposes with `model`, an EAGLE-3 head in the
+Hugging Face layout, from the target's own hidden states (`jaxserve.speculative.eagle3`).
+vLLM's other methods are not run yet, and saying one is a `ValueError` that says so.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle3", "eagle", "medusa", "mlp_speculator", "suffix", "deepseek_mtp")
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "medusa", "mlp_speculator", "suffix", "deepseek_mtp")
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min/max when neither is given
 
 
@@ -82,13 +83,13 @@ class SpeculativeConfig:
                              f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None:
             _check_positive("disable_by_batch_size", self.disable_by_batch_size)
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError("speculative_config.model is required with method "
-                                 "'draft_model': the draft's folder or Hub id")
+                raise ValueError(f"speculative_config.model is required with method "
+                                 f"{self.method!r}: the draft's folder or Hub id")
         elif self.model is not None:
-            raise ValueError(f"speculative_config.model is for method 'draft_model'; method "
-                             f"{self.method!r} has no model")
+            raise ValueError(f"speculative_config.model is for methods 'draft_model' and "
+                             f"'eagle3'; method {self.method!r} has no model")
 
     def applies_to(self, rows: int) -> bool:
         """Whether a decode step of `rows` running requests speculates."""

@@ -27,6 +27,7 @@ from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model import LlamaModel
 from jaxserve.model.config import ModelConfig
+from jaxserve.speculative.windows import page_slots
 
 
 def draft_config(spec, target: ModelConfig, config_only: bool = False
@@ -51,16 +52,6 @@ def load_draft(spec, target: ModelConfig, dtype, mesh: Mesh, progress: bool) -> 
     if checkpoint.is_checkpoint(folder):
         return checkpoint.restore(folder, config, dtype, mesh)
     return load_weights(folder, config, dtype, progress=progress, mesh=mesh)
-
-
-def page_slots(page_indices: jax.Array, at: jax.Array, page_size: int,
-               writes: jax.Array) -> jax.Array:
-    """The cache slots of positions `at [S, n]` through each row's page table `[S, P]`; -1
-    where not `writes [S, n]` or past the table (nothing is written there)."""
-    column = at // page_size
-    columns = page_indices.shape[1]
-    page = jnp.take_along_axis(page_indices, jnp.minimum(column, columns - 1), axis=1)
-    return jnp.where(writes & (column < columns), page * page_size + at % page_size, -1)
 
 
 def propose(draft, attention, caches, current: jax.Array, position: jax.Array,

@@ -34,14 +34,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention import PagedBatch
 from jaxserve.engine.batcher import StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sampler import (SampleResult, TokenCounts, penalized_rows,
                                      sample_with_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.speculative import ngram
-from jaxserve.speculative.draft import page_slots, propose as propose_with_draft
+from jaxserve.speculative import eagle3
+from jaxserve.speculative.draft import propose as propose_with_draft
+from jaxserve.speculative.windows import RaggedWindow
 
 
 @jax.tree_util.register_dataclass
@@ -53,15 +54,6 @@ class DraftCounts:
     num_drafts: jax.Array  # [S] int32, rounds in which the row proposed at least one token
     num_draft_tokens: jax.Array  # [S] int32, tokens proposed
     accepted_per_pos: jax.Array  # [S, k] int32, rounds whose draft j was accepted
-
-
-def _scattered(values: jax.Array, index: jax.Array, keep: jax.Array, size: int,
-               fill) -> jax.Array:
-    """`values [S, W]` placed at flat `index [S, W]` of a `[size]` array of `fill`, where
-    `keep`."""
-    flat = jnp.full((size,), fill, values.dtype)
-    return flat.at[jnp.where(keep, index, size).reshape(-1)].set(values.reshape(-1),
-                                                                mode="drop")
 
 
 def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
@@ -115,24 +107,23 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
                                repetition=jnp.ones_like(inp.sampling.repetition),
                                constrained=jnp.zeros_like(inp.sampling.constrained))
     free = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), free)  # [S * k] rows
+    head = draft[0] if draft is not None and isinstance(draft[0], eagle3.Eagle3Head) else None
+    aux_layers = () if head is None else head.eagle.aux_layer_ids
 
     def verify(position, window, done, caches, counts):
         """Forward over `window [S, W]` (current token, drafts) at `position [S]` on; the
-        token sampled at each of its positions (`SampleResult` of `[S, W]` fields)."""
+        token sampled at each of its positions (`SampleResult` of `[S, W]` fields), and for
+        an EAGLE head the target's joined hidden states at them `[S, W, E]`."""
         q_lens = jnp.where(valid, jnp.sum(window >= 0, axis=1), 0)  # [S] drafts are leading
-        cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
-        index = cu_q_lens[:-1, None] + col[None, :]  # [S, W] flat token index
-        used = col[None, :] < q_lens[:, None]  # [S, W]
         at = position[:, None] + col[None, :]  # [S, W]
-        slots = page_slots(inp.page_indices, at, page_size, used & ~done[:, None])
-        attention_batch = PagedBatch(
-            _scattered(slots, index, used, tokens, -1), jnp.where(valid, position + q_lens, 0),
-            inp.page_indices, cu_q_lens.astype(jnp.int32), inp.num_seqs)
-        hidden, caches = model(_scattered(jnp.maximum(window, 0), index, used, tokens, 0),
-                               _scattered(at, index, used, tokens, 0), caches,
-                               attention.for_step(attention_batch))  # [T, E]
+        ragged = RaggedWindow.of(q_lens, at, ~done[:, None], inp.page_indices, inp.num_seqs,
+                                 page_size)
+        out = model(ragged.flat(jnp.maximum(window, 0), 0), ragged.flat(at, 0), caches,
+                    attention.for_step(ragged.batch), aux_layers=aux_layers)  # [T, E], ...
+        hidden, caches = out[:2]
+        joined = None if head is None else ragged.per_column(head.joined(out[2]))
         # one logits matmul for every position: the vocabulary's weights are read once
-        logits = model.logits(hidden[jnp.minimum(index, tokens - 1)].reshape(tokens, -1))
+        logits = model.logits(ragged.per_column(hidden).reshape(tokens, -1))
         logits = logits.reshape(rows, width, -1)  # [S, W, V]
         first = sample_with_logprobs(logits[:, 0], inp.sampling, position + 1, counts,
                                      inp.allowed)  # [S]
@@ -141,18 +132,24 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         sampled = jax.tree.map(
             lambda a, b: jnp.concatenate([a[:, None], b.reshape(rows, k, *b.shape[1:])], 1),
             first, rest)
-        return sampled, caches
+        return sampled, caches, joined
 
     def cond(carry):
         step, _, _, done, *_ = carry
         return (step < num_rounds) & ~jnp.all(done)
 
     def body(carry):
-        step, out, count, done, current, position, history, counts, stats, caches = carry
+        (step, out, count, done, current, position, history, counts, stats, caches,
+         pending) = carry
         remaining = inp.max_new - count  # [S] tokens the row may still keep
         if draft is None:
             drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
                                    spec.prompt_lookup_max, limit)  # [S, k]
+        elif head is not None:
+            caches, draft_caches = caches
+            drafts, draft_caches = eagle3.propose(
+                head, draft[1], model, draft_caches, pending, k, position, valid & ~done,
+                inp.page_indices, inp.num_seqs, page_size)
         else:
             caches, draft_caches = caches
             drafts, draft_caches = propose_with_draft(
@@ -161,7 +158,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
-        sampled, caches = verify(position, window, done, caches, counts)
+        sampled, caches, joined = verify(position, window, done, caches, counts)
         if draft is not None:
             caches = (caches, draft_caches)
         accepted, kept, stopped = acceptance(sampled.tokens, drafts, inp.stop_ids, remaining,
@@ -181,11 +178,25 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         newest = sampled.tokens[row, jnp.maximum(kept - 1, 0)]
         current = jnp.where(kept > 0, newest, current)
         count = count + kept
+        if head is not None:  # the head reads the kept tokens with the target's states next
+            pending = jax.tree.map(
+                lambda new, old: jnp.where((kept > 0).reshape(-1, *[1] * (new.ndim - 1)),
+                                           new, old),
+                eagle3.Pending(sampled.tokens, joined, kept), pending)
         return (step + 1, out, count, done | stopped, current, position + kept, history,
-                counts, stats, caches)
+                counts, stats, caches, pending)
 
     done = ~valid | (inp.max_new <= 0)
+    pending = state = None
+    if head is not None:  # the head's pool, and what the last program left it to read
+        target_caches, (head_pool, state) = caches
+        pending = state.pending(inp.token_source[:rows], current, width)
+        caches = (target_caches, head_pool)
     carry = (jnp.int32(0), out, jnp.zeros((rows,), jnp.int32), done, current,
-             inp.positions[:rows], history, counts, stats, caches)
-    _, out, count, _, current, _, _, _, stats, caches = jax.lax.while_loop(cond, body, carry)
+             inp.positions[:rows], history, counts, stats, caches, pending)
+    _, out, count, _, current, _, _, _, stats, caches, pending = jax.lax.while_loop(
+        cond, body, carry)
+    if head is not None:
+        target_caches, head_pool = caches
+        caches = (target_caches, (head_pool, state.stored(pending)))
     return out, count, stats, caches, current

@@ -108,8 +108,8 @@ def test_plan_compiles_and_fits(tiny, tmp_path, platform, accelerator):
 
 
 @pytest.mark.parametrize("platform,accelerator,method", sweep(
-    [("tpu", "v5e", "draft_model"), ("gpu", "h100", "draft_model"), ("tpu", "v5e", "ngram")],
-    keep={0}))
+    [("tpu", "v5e", "draft_model"), ("gpu", "h100", "draft_model"), ("tpu", "v5e", "ngram"),
+     ("gpu", "h100", "eagle3")], keep={0}))
 def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, accelerator,
                                                      method):
     """A preset's [speculative] table: its decode programs are speculative rounds (drafts
@@ -118,10 +118,14 @@ def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, a
     the draft's weights and its KV pool count in the plan."""
     draft = dict(TINY, num_hidden_layers=1, hidden_size=256, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=512)
+    if method == "eagle3":  # a head of the target's width over a draft vocabulary of 300
+        draft = dict(TINY, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=512, architectures=["LlamaForCausalLMEagle3"],
+                     draft_vocab_size=300, eagle_aux_hidden_state_layer_ids=[0, 1, 1])
     (tmp_path / "draft").mkdir()
     (tmp_path / "draft" / "config.json").write_text(json.dumps(draft))
     table = f'[speculative]\nmethod = "{method}"\nnum_speculative_tokens = 3\n'
-    if method == "draft_model":
+    if method != "ngram":
         table += f'model = "{tmp_path / "draft"}"\n'
     preset = tmp_path / "spec.toml"
     preset.write_text(PRESET.format(platform=platform, accelerator=accelerator) + table)
@@ -138,6 +142,13 @@ def test_speculative_programs_compile_for_the_target(tiny, tmp_path, platform, a
         d_layer = d_e * 2 * 128 * 2 + d_e * 1 * 128 * 2 + 3 * d_e * d_i + 2 * d_e
         assert plan["weights_bytes_per_device"] == tiny_weight_bytes() + 2 * (
             2 * v * d_e + d_e + d_layer)
+        page = 2 * 16 * 128 * 2 * (TINY["num_hidden_layers"] * TINY["num_key_value_heads"] + 1)
+        assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
+    if method == "eagle3":  # fc, norms, [2E]-wide q/k/v, o, MLP, lm head; d2t in int32
+        e, i, d = TINY["hidden_size"], 512, 128
+        head = (3 * e * e + 4 * e + 2 * e * 2 * d + 2 * (2 * e * 1 * d) + 2 * d * e + 3 * e * i
+                + e * 300)
+        assert plan["weights_bytes_per_device"] == tiny_weight_bytes() + 2 * head + 4 * 300
         page = 2 * 16 * 128 * 2 * (TINY["num_hidden_layers"] * TINY["num_key_value_heads"] + 1)
         assert plan["kv_cache_bytes_per_device"] == plan["num_pages"] * page
 

@@ -218,7 +218,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(folder, base):
 
 
 def test_speculative_config_is_checked_by_key(folder):
-    bad = [({"method": "eagle3", "num_speculative_tokens": 2}, "not supported yet"),
+    bad = [({"method": "medusa", "num_speculative_tokens": 2}, "not supported yet"),
            ({"method": "ngarm", "num_speculative_tokens": 2}, "method must be one of"),
            ({"method": "ngram"}, "num_speculative_tokens is required"),
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
