@@ -86,6 +86,8 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     if spec is not None and spec.method == "draft_model":
         draft_config(spec, model_config)  # the draft's folder and vocabulary, checked early
     if spec is not None and spec.method == "eagle3":
+        spec = eagle3.with_head(spec, model_dir)
+        engine_config = dataclasses.replace(engine_config, speculative_config=spec)
         eagle3.read_config(spec, model_config)  # the head's folder and shapes, checked early
         if engine_config.tensor_parallel_size > 1:
             raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size "

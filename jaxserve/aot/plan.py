@@ -195,7 +195,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     scan = scan_layers_for(engine, model_config, target.platform)
     model = abstract_sharded_model(model_config, param_dtype, replica_mesh, scan)
     stored = model.config  # as stored on the mesh (kv heads repeated when tp > Hkv)
-    draft = _abstract_draft(engine, model_config, param_dtype, replica_mesh, scan)
+    draft = _abstract_draft(engine, model_config, param_dtype, replica_mesh, scan, model_dir)
     models = [model] if draft is None else [model, draft]
     hbm = target.hbm_bytes()
     cache_dtype = page_dtype(engine.kv_cache_dtype, param_dtype)
@@ -251,7 +251,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     return result
 
 
-def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool):
+def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool,
+                    model_dir: str | Path):
     """The abstract draft model of `speculative_config` method "draft_model" (its config
     read, its vocabulary checked against the target's), or the EAGLE-3 head of "eagle3",
     or None."""
@@ -260,7 +261,8 @@ def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool
         if engine.tensor_parallel_size > 1:
             raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size"
                              f" 1 for now, not {engine.tensor_parallel_size}")
-        return eagle3.abstract_head(spec, target_config, dtype, mesh)
+        return eagle3.abstract_head(eagle3.with_head(spec, Path(model_dir)), target_config,
+                                    dtype, mesh)
     if spec is None or spec.method != "draft_model":
         return None
     _, config = draft_config(spec, target_config, config_only=True)

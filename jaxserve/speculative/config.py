@@ -15,7 +15,8 @@ it saves.
 `method` "draft_model" proposes with `model`, a smaller model of the same vocabulary (a
 Hugging Face folder or Hub id of any family jaxserve loads), greedily, k tokens one after
 another (`jaxserve.speculative.draft`). "eagle3" proposes with `model`, an EAGLE-3 head in the
-Hugging Face layout, from the target's own hidden states (`jaxserve.speculative.eagle3`).
+Hugging Face layout, from the target's own hidden states (`jaxserve.speculative.eagle3`);
+without a `model`, the shipped model drafts with the head that ships beside it.
 vLLM's other methods are not run yet, and saying one is a `ValueError` that says so.
 """
 
@@ -83,11 +84,11 @@ class SpeculativeConfig:
                              f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None:
             _check_positive("disable_by_batch_size", self.disable_by_batch_size)
-        if self.method in ("draft_model", "eagle3"):
+        if self.method == "draft_model" or self.model is not None:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError(f"speculative_config.model is required with method "
                                  f"{self.method!r}: the draft's folder or Hub id")
-        elif self.model is not None:
+        if self.method == "ngram" and self.model is not None:
             raise ValueError(f"speculative_config.model is for methods 'draft_model' and "
                              f"'eagle3'; method {self.method!r} has no model")
 

@@ -63,6 +63,19 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+def with_head(spec, model_dir: Path):
+    """`spec` with its head's folder: as given, or for the shipped model the head that ships
+    beside it; `ValueError` when there is none."""
+    from jaxserve.default_model import DEFAULT_EAGLE3_DIR, DEFAULT_MODEL_DIR
+
+    if spec.model is not None:
+        return spec
+    if Path(model_dir).resolve() != DEFAULT_MODEL_DIR or not DEFAULT_EAGLE3_DIR.is_dir():
+        raise ValueError("speculative_config.model is required with method 'eagle3': the "
+                         "head's folder or Hub id (a head ships for the shipped model only)")
+    return dataclasses.replace(spec, model=str(DEFAULT_EAGLE3_DIR))
+
+
 def read_config(spec, target: ModelConfig, config_only: bool = False
                 ) -> tuple[Path, Eagle3Config]:
     """The head's folder and `Eagle3Config`; `ValueError` naming `speculative_config.model`
@@ -157,12 +170,17 @@ class Eagle3Head(nnx.Module):
         out, layer_cache = self.attn(0, x, positions, attention, cache[0])
         x = residual + out
         x = x + self.mlp(self.post_attention_norm(x))  # [T, E]
-        logits = self.final_norm(x).astype(jnp.float32) @ self.lm_head[...].astype(
-            jnp.float32)  # [T, Vd]
+        logits = self.draft_logits(x)  # [T, Vd]
         peak = jnp.max(logits, axis=-1, keepdims=True)
         draft = jnp.min(jnp.where(logits == peak, jnp.arange(logits.shape[-1]),
                                   logits.shape[-1]), axis=-1)  # [T] first argmax
         return x, (draft + self.d2t[...][draft]).astype(jnp.int32), [layer_cache]
+
+    def draft_logits(self, out: jax.Array) -> jax.Array:
+        """The head's outputs before its final norm `[..., E]` → float32 logits over the
+        draft vocabulary `[..., Vd]`."""
+        return self.final_norm(out).astype(jnp.float32) @ self.lm_head[...].astype(
+            jnp.float32)
 
 
 def _tensor_names(folder: Path) -> list[str]:

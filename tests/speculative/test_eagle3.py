@@ -181,3 +181,22 @@ def test_heads_that_cannot_draft_are_refused(folder, tmp_path):
     with pytest.raises(ValueError, match="model is required with method 'eagle3'"):
         LLM(str(folder), progress=False, **SMALL_ENGINE,
             speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+def test_the_shipped_head_drafts_for_the_shipped_model():
+    """Without a `model`, the shipped model drafts with the head that ships beside it
+    (`jaxserve.training.train_eagle3_head`). On Austen's prose its first proposal of a round
+    is the model's own next token two times in three (66% measured here); fed the round's
+    hidden states one position off it is right 41% of the time, so this checks that the
+    rounds hand the head the states it was trained on."""
+    from jaxserve.default_model import DEFAULT_MODEL_DIR
+
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", progress=False, max_num_seqs=4,
+              seq_buckets=(4,), token_buckets=(128,), max_num_batched_tokens=128,
+              speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    text = (DEFAULT_MODEL_DIR / "heldout.txt").read_text()
+    prompts = [text[i * 900:i * 900 + 300] for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    counters = llm.engine.metrics.snapshot()["counters"]
+    first = counters["spec_decode_num_accepted_tokens_per_pos:0"]
+    assert first / counters["spec_decode_num_drafts"] > 0.55, counters

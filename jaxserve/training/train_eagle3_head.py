@@ -1,0 +1,214 @@
+"""Train an EAGLE-3 head for a model jaxserve serves (by default the shipped one), and save
+it in the Hugging Face layout that `speculative_config={"method": "eagle3", "model": ...}`
+reads (`jaxserve.speculative.eagle3`).
+
+    pip install jaxserve[train]               # optax
+    python -m jaxserve.training.train_eagle3_head --out /tmp/austen-eagle3
+
+The head learns what the model itself would say: its text is the model's own sampled
+continuations (temperature 1) of short prompts cut from `--prompts-file` (the shipped
+model's `heldout.txt`), and its label at every position is the model's greedy next token
+there. Each step trains two draft steps, as a round uses the head (EAGLE-3's training-time
+test, simplified):
+1. at position t: (token t, the model's joined hidden state at t - 1) → the model's next
+   token at t;
+2. at position t + 1: (that label, the head's own output at t) → the model's next token at
+   t + 1.
+Both passes attend causally within their own pass (at serving time the second one also
+sees the first pass's keys; the difference only lowers acceptance a little).
+
+The draft vocabulary is the `--draft-vocab-size` tokens the model predicts most often in the
+generated text (`d2t` maps them back); progress (loss, accuracy of each pass) is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from flax import nnx
+from safetensors.numpy import save_file
+
+from jaxserve.attention.dense import DenseAttention
+from jaxserve.speculative.eagle3 import Eagle3Config, Eagle3Head
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    shipped = Path(__file__).resolve().parents[1] / "default_model"
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="the head's output folder")
+    p.add_argument("--model", type=Path, default=shipped, help="the target model's folder")
+    p.add_argument("--prompts-file", type=Path, default=shipped / "heldout.txt")
+    p.add_argument("--sequences", type=int, default=512, help="generated texts")
+    p.add_argument("--prompt-len", type=int, default=12)
+    p.add_argument("--length", type=int, default=128, help="tokens per generated text")
+    p.add_argument("--aux-layers", type=int, nargs=3, default=None,
+                   help="target layers whose inputs the head reads (default: 1, L/2, L-1)")
+    p.add_argument("--draft-vocab-size", type=int, default=1024)
+    p.add_argument("--intermediate-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def generate_texts(llm, args, rng) -> np.ndarray:
+    """`[N, length]` token ids: prompts cut from the prompts file, continued by the model."""
+    from jaxserve.sampling_params import SamplingParams
+
+    ids = llm.tokenizer.encode(args.prompts_file.read_text())
+    starts = rng.integers(0, len(ids) - args.prompt_len, args.sequences)
+    prompts = [{"prompt_token_ids": ids[s:s + args.prompt_len]} for s in starts]
+    params = [SamplingParams(temperature=1.0, seed=int(i), ignore_eos=True,
+                             max_tokens=args.length - args.prompt_len)
+              for i in range(args.sequences)]
+    outputs = llm.generate(prompts, params)
+    return np.asarray([p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+                       for p, o in zip(prompts, outputs)], np.int32)
+
+
+def target_states(model, tokens: np.ndarray, aux_layers, batch: int = 32):
+    """The model's greedy next token at every position `[N, L]` and the inputs of
+    `aux_layers` side by side `[N, L, 3E]` (float32), by the dense path."""
+    @jax.jit
+    def run(chunk):
+        positions = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
+        final, _, aux = model(chunk, positions, [None] * model.config.num_layers,
+                              DenseAttention(positions), aux_layers=tuple(aux_layers))
+        return jnp.argmax(model.logits(final), axis=-1).astype(jnp.int32), aux
+
+    labels, states = [], []
+    for i in range(0, len(tokens), batch):
+        label, aux = run(jnp.asarray(tokens[i:i + batch]))
+        labels.append(np.asarray(label))
+        states.append(np.asarray(aux, np.float32))
+    return np.concatenate(labels), np.concatenate(states)
+
+
+def head_config(target, args, aux_layers) -> tuple[dict, Eagle3Config]:
+    """The head's config.json and `Eagle3Config`: the target's attention shape, one layer."""
+    from jaxserve.model.config import config_from_hf
+
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+          "hidden_size": target.hidden_size, "intermediate_size": args.intermediate_size,
+          "num_hidden_layers": 1, "num_attention_heads": target.num_heads,
+          "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim,
+          "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope.theta,
+          "max_position_embeddings": target.max_position_embeddings,
+          "vocab_size": target.vocab_size, "draft_vocab_size": args.draft_vocab_size,
+          "eagle_aux_hidden_state_layer_ids": list(aux_layers), "torch_dtype": "bfloat16"}
+    layer = config_from_hf({**hf, "tie_word_embeddings": False})
+    return hf, Eagle3Config(layer, args.draft_vocab_size, target.hidden_size,
+                            tuple(aux_layers), False, False)
+
+
+def train(head: Eagle3Head, target, tokens, labels, states, draft_of, args, rng):
+    """AdamW on both passes' cross-entropy over the draft vocabulary; labels outside it are
+    skipped. Prints loss and each pass's accuracy every 50 steps."""
+    embed = jnp.asarray(target.embed[...], jnp.float32)
+    optimizer = nnx.Optimizer(head, optax.adamw(optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, 50, args.steps, args.lr / 10), weight_decay=0.01), wrt=nnx.Param)
+
+    def loss_fn(head, tok, aux, lab):
+        positions = jnp.broadcast_to(jnp.arange(tok.shape[1]), tok.shape)
+        attention = DenseAttention(positions)
+        joined = head.joined(aux)  # [B, L, E]
+        before = jnp.concatenate([jnp.zeros_like(joined[:, :1]), joined[:, :-1]], axis=1)
+        first, _, _ = head(embed[tok], before, positions, [None], attention)
+        second, _, _ = head(embed[lab[:, :-1]], first[:, :-1], positions[:, 1:], [None],
+                            DenseAttention(positions[:, 1:]))
+        total, right = 0.0, []
+        for out, want in ((first, lab), (second, lab[:, 1:])):
+            target_ids = draft_of[want]  # [B, L] (-1: not in the draft vocabulary)
+            logits = head.draft_logits(out)
+            ce = optax.softmax_cross_entropy_with_integer_labels(
+                logits, jnp.maximum(target_ids, 0))
+            mask = target_ids >= 0
+            total = total + jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1)
+            right.append(jnp.mean(jnp.argmax(logits, -1) == target_ids))
+        return total, right
+
+    @nnx.jit
+    def step(head, optimizer, tok, aux, lab):
+        (loss, right), grads = nnx.value_and_grad(loss_fn, has_aux=True)(head, tok, aux, lab)
+        optimizer.update(head, grads)
+        return loss, right
+
+    started = time.perf_counter()
+    for i in range(1, args.steps + 1):
+        pick = rng.integers(0, len(tokens), args.batch)
+        loss, right = step(head, optimizer, jnp.asarray(tokens[pick]),
+                           jnp.asarray(states[pick]), jnp.asarray(labels[pick]))
+        if i % 50 == 0 or i == args.steps:
+            print(f"step {i}/{args.steps}: loss {float(loss):.3f}, accuracy of draft 1 "
+                  f"{float(right[0]):.3f}, draft 2 {float(right[1]):.3f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def save_head(head: Eagle3Head, hf: dict, folder: Path) -> None:
+    """config.json and model.safetensors (bfloat16, d2t int64) in the HF layout."""
+    cfg = head.config
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    value = lambda param: np.asarray(param[...], np.float32)  # noqa: E731
+    tensors = {
+        "fc.weight": value(head.fc).T,
+        "midlayer.input_layernorm.weight": value(head.input_norm.weight),
+        "midlayer.hidden_norm.weight": value(head.hidden_norm.weight),
+        "midlayer.post_attention_layernorm.weight": value(head.post_attention_norm.weight),
+        "midlayer.self_attn.q_proj.weight": value(head.attn.q_proj).reshape(2 * e, hq * d).T,
+        "midlayer.self_attn.k_proj.weight": value(head.attn.k_proj).reshape(2 * e, hkv * d).T,
+        "midlayer.self_attn.v_proj.weight": value(head.attn.v_proj).reshape(2 * e, hkv * d).T,
+        "midlayer.self_attn.o_proj.weight": value(head.attn.o_proj).reshape(hq * d, e).T,
+        "midlayer.mlp.gate_proj.weight": value(head.mlp.gate_proj).T,
+        "midlayer.mlp.up_proj.weight": value(head.mlp.up_proj).T,
+        "midlayer.mlp.down_proj.weight": value(head.mlp.down_proj).T,
+        "norm.weight": value(head.final_norm.weight),
+        "lm_head.weight": value(head.lm_head).T,
+    }
+    tensors = {k: np.ascontiguousarray(v).astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    tensors["d2t"] = np.asarray(head.d2t[...], np.int64)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def main(argv=None) -> int:
+    from jaxserve import LLM
+
+    args = parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    llm = LLM(str(args.model), dtype="float32", progress=False)
+    layers = llm.config.num_layers
+    aux_layers = args.aux_layers or (1, layers // 2, layers - 1)
+    print(f"generating {args.sequences} texts of {args.length} tokens ...", flush=True)
+    tokens = generate_texts(llm, args, rng)
+    print("the model's hidden states and greedy tokens ...", flush=True)
+    from jaxserve.loading.weights import load_weights
+    dense = load_weights(args.model, llm.config, jnp.float32, progress=False)
+    labels, states = target_states(dense, tokens, aux_layers)
+    counts = np.bincount(labels.reshape(-1), minlength=dense.config.vocab_size)
+    kept = np.sort(np.argsort(-counts)[:args.draft_vocab_size])  # target ids, ascending
+    draft_of = np.full(dense.config.vocab_size, -1, np.int32)
+    draft_of[kept] = np.arange(len(kept))
+    print(f"draft vocabulary of {len(kept)} covers "
+          f"{counts[kept].sum() / counts.sum():.1%} of the model's next tokens", flush=True)
+    hf, eagle = head_config(dense.config, args, aux_layers)
+    head = Eagle3Head(eagle, jnp.float32, nnx.Rngs(args.seed))
+    head.d2t.set_value(jnp.asarray(kept - np.arange(len(kept)), jnp.int32))
+    train(head, dense, tokens, labels, states, jnp.asarray(draft_of), args, rng)
+    save_head(head, hf, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
