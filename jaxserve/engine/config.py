@@ -98,9 +98,9 @@ class EngineConfig:
                                         "scales from the first step's tokens, not 1")
     speculative_config: SpeculativeConfig | dict | None = _option(
         None, "speculative", "speculative decoding, vLLM's keys: method (ngram, "
-        "draft_model), num_speculative_tokens, prompt_lookup_min/max, model (the draft), "
-        "disable_by_batch_size; a JSON object on the command line, a preset's [speculative] "
-        "table")
+        "draft_model, eagle3), num_speculative_tokens, prompt_lookup_min/max, model (the "
+        "draft or EAGLE-3 head), disable_by_batch_size; a JSON object on the command line, "
+        "a preset's [speculative] table")
 
     enable_lora: bool = _option(False, "lora", "serve LoRA adapters beside the base model "
                                 "(jaxserve.lora)")
