@@ -31,7 +31,7 @@ import numpy as np
 from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
-                                   with_quantization)
+                                   with_expert_parallel, with_quantization)
 from jaxserve.engine.engine import Engine, engine_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
@@ -96,6 +96,8 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     model_config = with_quantization(model_config, engine_config.quantization,
                                      engine_config.quantize_activations, first.platform,
                                      first.device_kind)
+    model_config = with_expert_parallel(model_config, engine_config.enable_expert_parallel,
+                                        engine_config.tensor_parallel_size)
     return Settings(model_dir, model_config, resolved_dtype, engine_config)
 
 

@@ -6,7 +6,9 @@ Megatron-style tensor parallelism on the "model" axis:
 - o_proj and down_proj are split by input row (their "heads" / "mlp" axis): each device
   holds a partial sum, and XLA inserts the all-reduce over "model" at the einsum;
 - embedding and lm_head are vocab-parallel ("vocab");
-- norms, biases of the residual stream and "embed"/"head_dim" axes are replicated.
+- norms, biases of the residual stream and "embed"/"head_dim" axes are replicated;
+- mixture-of-experts weights `[X, ...]` are split like the dense MLP (a slice of every
+  expert's width), or with expert parallelism by whole experts ("expert_shards").
 The KV cache `[N, page_size / f, f * Hkv * D]` is split on its kv-heads axis like k/v
 projections (a row holds f tokens' heads head-major, so the split is by whole heads).
 
@@ -34,6 +36,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "norm": None,
     "layers": None,  # the stacked-layers axis (`scan_layers`): every device holds all layers
     "experts": None,  # mixture of experts: every device holds a slice of every expert
+    "expert_shards": "model",  # ... or, with expert parallelism, whole experts split
+    "expert_mlp": None,  # among the devices (an expert's width stays whole)
     "lora_slots": None,  # LoRA adapter slots and ranks: whole on every device (their
     "lora_rank": None,  # A/B split like the base projection's in/out axes)
 }

@@ -43,7 +43,7 @@ import sharding
 from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
-from jaxserve.model.config import with_quantization
+from jaxserve.model.config import with_expert_parallel, with_quantization
 from jaxserve.engine import cache_audit
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
@@ -182,6 +182,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     model_config = with_quantization(model_config, engine.quantization,
                                      engine.quantize_activations, target.platform,
                                      target.accelerator or "")
+    model_config = with_expert_parallel(model_config, engine.enable_expert_parallel,
+                                        engine.tensor_parallel_size)
     devices = compile_only_devices(target)
     indices = mesh_device_indices(engine)
     if engine.devices is not None:

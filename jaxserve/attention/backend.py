@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
-from jaxserve.model.moe import grouped_swiglu, ragged_expert_ffn
+from jaxserve.model.moe import mix_experts, ragged_mixture
 from pallas_kernels import kv_quant
 
 
@@ -86,10 +86,15 @@ class AttentionBackend:
         new layer cache)."""
         raise NotImplementedError
 
-    def expert_ffn(self, rows, group_sizes, gate, up, down) -> jax.Array:
-        """A mixture-of-experts layer's grouped SwiGLU (`jaxserve.model.moe.ExpertFFN`):
-        `ragged_dot`, partitioned by XLA, unless a backend has better for its platform."""
-        return ragged_expert_ffn(rows, group_sizes, gate, up, down)
+    def expert_mixture(self, x, weights, experts, gate, up, down,
+                       expert_parallel=False) -> jax.Array:
+        """A mixture-of-experts layer's experts (`jaxserve.model.moe.ExpertMixture`):
+        `ragged_dot`, partitioned by XLA, unless a backend has better for its platform; with
+        expert parallelism on a mesh, each device's own experts (`experts_per_device`)."""
+        if expert_parallel and self.mesh is not None:
+            return experts_per_device(jax.lax.ragged_dot, self.mesh, True)(
+                x, weights, experts, gate, up, down)
+        return ragged_mixture(x, weights, experts, gate, up, down)
 
     # ---- common ---------------------------------------------------------------------------
     @property
@@ -128,9 +133,11 @@ class PagedAttention:
             return self._head_scaled(layer_index, q, k, v, layer_cache)
         return self._attend(layer_index, q, k, v, layer_cache)
 
-    def expert_ffn(self, rows, group_sizes, gate, up, down) -> jax.Array:
-        """The backend's grouped SwiGLU for mixture-of-experts layers."""
-        return self.backend.expert_ffn(rows, group_sizes, gate, up, down)
+    def expert_mixture(self, x, weights, experts, gate, up, down,
+                       expert_parallel=False) -> jax.Array:
+        """The backend's experts for mixture-of-experts layers."""
+        return self.backend.expert_mixture(x, weights, experts, gate, up, down,
+                                           expert_parallel)
 
     def _attend(self, layer_index, q, k, v, layer_cache):
         backend = self.backend
@@ -163,30 +170,38 @@ class PagedAttention:
         return out, (k_pages, v_pages, k_scale, v_scale)
 
 
-def expert_ffn_per_device(matmul, mesh: Mesh | None):
-    """An `ExpertFFN` running `matmul(lhs [M, K], rhs [G, K, N], group_sizes [G])` (a grouped
-    matmul kernel) on each device of `mesh`: rows replicated, each device's slice of every
-    expert's width (the "mlp" axis, as the sharding rules split it), the down projection's
-    partial sums added over the "model" axis."""
-
-    local = functools.partial(grouped_swiglu, matmul)  # [R, E], partial when "mlp" is split
-
+def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
+    """An `ExpertMixture` running `matmul(lhs [M, K], rhs [G, K, N], group_sizes [G])` (a
+    grouped matmul kernel) on each device of `mesh`'s "model" axis, tokens and routing
+    replicated (as tensor-parallel attention leaves them):
+    - tensor-parallel experts: each device holds a slice of every expert's width (the "mlp"
+      axis, when the sharding rules split it) and computes every pair's partial output;
+    - `expert_parallel`: each device holds X / tp whole experts and computes only the pairs
+      routed to them; the others add nothing there.
+    Either way the per-token sums `[T, E]` are added over "model": one all-reduce of the
+    same size as the dense MLP's, and no all-to-all, because every device already holds
+    every token."""
     if mesh is None:
-        return local
+        return functools.partial(mix_experts, matmul)
 
-    def on_mesh(rows, group_sizes, gate, up, down):
-        spec = sharding.partition_spec(("experts", "embed", "mlp"), gate.shape, mesh)
-        split = spec[2] is not None
-        down_spec = jax.sharding.PartitionSpec(None, spec[2], None)
-        replicated = jax.sharding.PartitionSpec()
+    def on_mesh(x, weights, experts, gate, up, down):
+        replicated = P()
+        if expert_parallel:
+            axis = sharding.LOGICAL_AXIS_RULES["expert_shards"]
+            gate_spec = down_spec = P(axis, None, None)
+        else:
+            gate_spec = sharding.partition_spec(("experts", "embed", "mlp"), gate.shape, mesh)
+            axis = gate_spec[2]
+            down_spec = P(None, axis, None)
+        per_device = gate.shape[0] // mesh.shape[axis] if expert_parallel else 0
 
-        def body(*args):
-            out = local(*args)
-            return jax.lax.psum(out, spec[2]) if split else out
+        def body(x, weights, experts, gate, up, down):
+            first = jax.lax.axis_index(axis) * per_device if expert_parallel else 0
+            out = mix_experts(matmul, x, weights, experts, gate, up, down, first)  # [T, E]
+            return out if axis is None else jax.lax.psum(out, axis)
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(replicated, replicated, spec, spec,
-                                                        down_spec),
-                             out_specs=replicated, check_vma=False)(
-            rows, group_sizes, gate, up, down)
+        return jax.shard_map(body, mesh=mesh, in_specs=(replicated,) * 3 + (
+            gate_spec, gate_spec, down_spec), out_specs=replicated, check_vma=False)(
+            x, weights, experts, gate, up, down)
 
     return on_mesh

@@ -7,7 +7,7 @@ carries nothing but the cache and stacked layers need only the page offsets. Qua
 pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels.
 The pages' rows may hold several tokens (TPU, `kv_quant.tokens_per_row`), so the write and
 the kernels are told the page size. Mixture-of-experts layers get TPU's grouped matmul
-(`expert_ffn`)."""
+(`expert_mixture`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import ClassVar
 import jax
 
 import pallas_kernels
-from jaxserve.attention.backend import AttentionBackend, expert_ffn_per_device
+from jaxserve.attention.backend import AttentionBackend, experts_per_device
 from pallas_kernels import kv_quant
 from pallas_kernels.grouped_matmul import grouped_matmul
 
@@ -41,10 +41,11 @@ class PallasBackend(AttentionBackend):
                 batch.num_seqs, **scaled)  # [T, Hq, D]
         return out, layer_cache
 
-    def expert_ffn(self, rows, group_sizes, gate, up, down):
+    def expert_mixture(self, x, weights, experts, gate, up, down, expert_parallel=False):
         """On TPU, megablox `gmm` on each device (`pallas_kernels.grouped_matmul`); elsewhere
-        XLA's `ragged_dot` (GPU has no grouped-matmul kernel here yet)."""
-        on_tpu = expert_ffn_per_device(
-            functools.partial(grouped_matmul, interpret=False), self.mesh)
-        return jax.lax.platform_dependent(rows, group_sizes, gate, up, down, tpu=on_tpu,
-                                          default=super().expert_ffn)
+        the base backend's `ragged_dot` (GPU has no grouped-matmul kernel here yet)."""
+        on_tpu = experts_per_device(functools.partial(grouped_matmul, interpret=False),
+                                    self.mesh, expert_parallel)
+        return jax.lax.platform_dependent(
+            x, weights, experts, gate, up, down, tpu=on_tpu,
+            default=functools.partial(super().expert_mixture, expert_parallel=expert_parallel))

@@ -103,7 +103,9 @@ class MoEConfig:
     `e_score_correction_bias` and keeps only the `top_k_groups` best of `num_groups` groups
     of experts (a group's score: its two best); the weights are the chosen sigmoid scores,
     normalized when `normalize_top_k`, times `routed_scaling_factor`. `shared_experts`: that
-    many experts' width of a plain SwiGLU every token also runs (0: none)."""
+    many experts' width of a plain SwiGLU every token also runs (0: none).
+    `expert_parallel`: whole experts split among the devices of the mesh's "model" axis
+    rather than a slice of every expert on each (the engine's `enable_expert_parallel`)."""
 
     num_experts: int
     top_k: int
@@ -114,6 +116,7 @@ class MoEConfig:
     top_k_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_experts: int = 0
+    expert_parallel: bool = False
 
     def __post_init__(self):
         _check_positive(self, ("num_experts", "top_k", "intermediate_size", "num_groups",
@@ -507,6 +510,20 @@ def with_quantization(cfg: ModelConfig, method: str | None, activations: bool = 
     if platform is not None:
         _check_platform(quantized.quantization, platform, device_kind)
     return quantized
+
+
+def with_expert_parallel(cfg: ModelConfig, enabled: bool,
+                         tensor_parallel_size: int) -> ModelConfig:
+    """`cfg` with its experts split whole among the `tensor_parallel_size` devices of the
+    "model" axis when `enabled` (`enable_expert_parallel`, vLLM's name). A dense model has
+    no experts and is returned as it is; experts that do not divide evenly among the
+    devices are a `ValueError`."""
+    if not enabled or cfg.moe is None:
+        return cfg
+    if cfg.moe.num_experts % tensor_parallel_size:
+        raise ValueError(f"enable_expert_parallel: the {cfg.moe.num_experts} experts do not "
+                         f"divide among tensor_parallel_size {tensor_parallel_size} devices")
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True))
 
 
 def _quantization_asked(cfg: ModelConfig, method: str | None,

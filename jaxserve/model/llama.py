@@ -231,8 +231,8 @@ class DecoderLayer(nnx.Module):
             attn_out = self.attn_output_norm(attn_out)
         x = x + attn_out
         hidden = self.post_attention_norm(x)
-        if isinstance(self.mlp, SparseMoE):  # the backend's grouped matmuls, if it has some
-            out = self.mlp(hidden, getattr(attention, "expert_ffn", None))
+        if isinstance(self.mlp, SparseMoE):  # the backend's experts, if it has some
+            out = self.mlp(hidden, getattr(attention, "expert_mixture", None))
         else:
             out = self.mlp(hidden, lora)
         if self.output_norms:

@@ -12,14 +12,17 @@ are contiguous, and the experts' SwiGLU runs as grouped matmuls over all experts
 capacity factor: no token is ever dropped, however unevenly the router spreads them, and
 every shape depends only on the token bucket, so nothing compiles after warm-up.
 
-The grouped part is an `ExpertFFN` the attention backend may supply (it knows the platform
-and the mesh, as for attention): `ragged_expert_ffn`, XLA's `jax.lax.ragged_dot`, by
-default; the Pallas backend's on TPU is megablox `gmm` per device (`pallas_kernels.
-grouped_matmul`).
+The dispatch, grouped SwiGLU and weighted sum are an `ExpertMixture` the attention backend
+may supply (it knows the platform and the mesh, as for attention): `ragged_mixture`, XLA's
+`jax.lax.ragged_dot`, by default; the Pallas backend's on TPU is megablox `gmm` per device
+(`pallas_kernels.grouped_matmul`); with expert parallelism, each device's own experts
+(`jaxserve.attention.backend.experts_per_device`).
 
 Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
 expert axis: with the default rules experts are tensor-parallel (each device holds a slice
-of every expert's "mlp" width) and the router is replicated.
+of every expert's "mlp" width) and the router is replicated. With `MoEConfig.
+expert_parallel` the expert weights say "expert_shards" and "expert_mlp" instead: whole
+experts, split among the devices.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ def route_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, moe: MoE
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-# expert_ffn(rows [R, E], group_sizes [X], gate [X, E, I], up [X, E, I], down [X, I, E])
-#   -> [R, E]: each group of rows through its expert's SwiGLU
-ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# mixture(x [T, E], weights [T, K], experts [T, K], gate [X, E, I], up [X, E, I],
+#         down [X, I, E], expert_parallel) -> [T, E]: each token's experts' SwiGLU outputs,
+#         summed with their weights (the backend's: it knows the platform and the mesh)
+ExpertMixture = Callable[..., jax.Array]
 
 
 def grouped_swiglu(matmul, rows, group_sizes, gate, up, down) -> jax.Array:
@@ -83,21 +87,40 @@ def grouped_swiglu(matmul, rows, group_sizes, gate, up, down) -> jax.Array:
     return matmul(h, down, group_sizes)  # [R, E]
 
 
-def ragged_expert_ffn(rows, group_sizes, gate, up, down) -> jax.Array:
-    """The experts' SwiGLU with `jax.lax.ragged_dot` (any platform, any sharding: XLA
-    partitions it)."""
-    return grouped_swiglu(jax.lax.ragged_dot, rows, group_sizes, gate, up, down)
-
-
 def grouped_by_expert(experts: jax.Array, num_experts: int
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sort the `T * K` (token, expert) pairs of `experts` `[T, K]` by expert: (order `[T*K]`,
     the pair index at each sorted row; group_sizes `[X]` int32, rows per expert; token
-    `[T*K]`, each sorted row's token)."""
+    `[T*K]`, each sorted row's token). Expert ids outside `[0, num_experts)` sort after
+    every group and count in none."""
     flat = experts.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat, stable=True)  # [T*K]
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [X]
-    return order, group_sizes, order // experts.shape[-1]
+    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # [T*K]
+    order = jnp.argsort(key, stable=True)  # [T*K]
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts]  # [X]
+    return order, group_sizes.astype(jnp.int32), order // experts.shape[-1]
+
+
+def mix_experts(matmul, x, weights, experts, gate, up, down, first_expert=0) -> jax.Array:
+    """x `[T, E]` through the experts held here, `gate`/`up` `[X', E, I]`, `down`
+    `[X', I, E]`: experts `first_expert .. first_expert + X'` (all of them, or one device's
+    share under expert parallelism). Each (token, expert) pair of `experts` `[T, K]` held
+    here adds its SwiGLU output times its weight (`weights` `[T, K]`); pairs routed to
+    experts held elsewhere add nothing. `matmul` is the grouped matmul (`grouped_swiglu`).
+    → `[T, E]`."""
+    order, group_sizes, token = grouped_by_expert(experts - first_expert, gate.shape[0])
+    rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
+    out = grouped_swiglu(matmul, rows, group_sizes, gate, up, down)  # [T*K, E]
+    held = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)  # [T*K] rows of some group
+    out = jnp.where(held[:, None], out, 0)
+    per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
+    per_pair = per_pair.reshape(*experts.shape, -1)  # [T, K, E]
+    return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]
+
+
+def ragged_mixture(x, weights, experts, gate, up, down, expert_parallel=False) -> jax.Array:
+    """`mix_experts` with `jax.lax.ragged_dot` over every expert (any platform, any sharding
+    of the "mlp" width: XLA partitions it): the default `ExpertMixture`."""
+    return mix_experts(jax.lax.ragged_dot, x, weights, experts, gate, up, down)
 
 
 class SparseMoE(nnx.Module):
@@ -113,10 +136,13 @@ class SparseMoE(nnx.Module):
             value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
             return nnx.Param(value.astype(dtype), logical_axes=axes)
 
+        # expert parallelism holds whole experts per device; otherwise a slice of each
+        held, width = ("expert_shards", "expert_mlp") if moe.expert_parallel else (
+            "experts", "mlp")
         self.router = param((e, x), ("embed", "experts"))
-        self.gate_proj = param((x, e, i), ("experts", "embed", "mlp"))
-        self.up_proj = param((x, e, i), ("experts", "embed", "mlp"))
-        self.down_proj = param((x, i, e), ("experts", "mlp", "embed"))
+        self.gate_proj = param((x, e, i), (held, "embed", width))
+        self.up_proj = param((x, e, i), (held, "embed", width))
+        self.down_proj = param((x, i, e), (held, width, "embed"))
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.moe = moe
         self.correction_bias = (param((x,), ("experts",), jnp.float32)
@@ -124,22 +150,17 @@ class SparseMoE(nnx.Module):
         self.shared = (shared_mlp(moe.intermediate_size * moe.shared_experts)
                        if moe.shared_experts else None)
 
-    def __call__(self, hidden: jax.Array, expert_ffn: ExpertFFN | None = None) -> jax.Array:
-        """hidden `[..., E]` → `[..., E]`; `expert_ffn`: the backend's, else ragged_dot's."""
+    def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None) -> jax.Array:
+        """hidden `[..., E]` → `[..., E]`; `mixture`: the backend's, else `ragged_mixture`."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         if self.correction_bias is None:
             weights, experts = route(x @ self.router[...], self.top_k, self.normalize)
         else:  # GLM computes its router in float32
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [T, X]
             weights, experts = route_sigmoid(logits, self.correction_bias[...], self.moe)
-        order, group_sizes, token = grouped_by_expert(experts, self.gate_proj.shape[0])
-        rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
-        out = (expert_ffn or ragged_expert_ffn)(
-            rows, group_sizes, self.gate_proj[...], self.up_proj[...],
-            self.down_proj[...])  # [T*K, E]
-        per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
-        per_pair = per_pair.reshape(*experts.shape, -1)  # [T, K, E]
-        mixed = jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]
+        mixed = (mixture or ragged_mixture)(
+            x, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+            expert_parallel=self.moe.expert_parallel)  # [T, E]
         if self.shared is not None:
             mixed = mixed + self.shared(x)
         return mixed.reshape(hidden.shape)

@@ -1,7 +1,8 @@
 """The grouped matmul of mixture-of-experts layers on TPU (`pallas_kernels.grouped_matmul`,
 megablox `gmm`, interpret mode here) against `jax.lax.ragged_dot`, and the per-device
-expert SwiGLU (`jaxserve.attention.backend.expert_ffn_per_device`) over 4 CPU devices with
-each expert's width split, against the same SwiGLU with ragged_dot on one device."""
+experts (`jaxserve.attention.backend.experts_per_device`) over 4 CPU devices, each expert's
+width split or whole experts split (expert parallelism), against the same mixture with
+ragged_dot on one device."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 import sharding
-from jaxserve.attention.backend import expert_ffn_per_device
-from jaxserve.model.moe import ragged_expert_ffn
+from jaxserve.attention.backend import experts_per_device
+from jaxserve.model.moe import ragged_mixture
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 pytestmark = pytest.mark.quick
@@ -40,17 +41,28 @@ def test_grouped_matmul_equals_ragged_dot(rows, k, n, groups, case):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-def test_expert_ffn_per_device_over_four_devices_equals_one_device():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel):
+    """Tensor-parallel experts (each device 16 of every expert's 64 columns) and expert
+    parallelism (each device 2 whole experts of 8), with one expert taking most tokens and
+    one none, against the mixture with ragged_dot on one device."""
     mesh = sharding.make_mesh(tensor_parallel_size=4)
     rng = np.random.default_rng(0)
-    rows, e, i, x = 48, 32, 64, 6  # each device: 16 of every expert's 64 columns
-    sizes = jnp.asarray(random_sizes(rng, rows, x))
+    tokens, k, e, i, x = 24, 2, 32, 64, 8
+    experts = np.stack([rng.integers(0, x, tokens), np.full(tokens, 5)], axis=1)
+    experts[:, 0] = np.where(experts[:, 0] == 5, 3, experts[:, 0])
+    experts[experts == 6] = 7  # expert 6 gets no token
+    weights = jnp.asarray(rng.uniform(size=(tokens, k)), jnp.float32)
     args = [jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
-            for shape in ((rows, e), (x, e, i), (x, e, i), (x, i, e))]
-    want = ragged_expert_ffn(args[0], sizes, *args[1:])
+            for shape in ((tokens, e), (x, e, i), (x, e, i), (x, i, e))]
+    routing = (args[0], weights, jnp.asarray(experts, jnp.int32))
+    want = ragged_mixture(*routing, *args[1:])
+    held, width = ("expert_shards", "expert_mlp") if expert_parallel else ("experts", "mlp")
     placed = [jax.device_put(a, sharding.named_sharding(axes, a.shape, mesh)) for a, axes in
-              zip(args[1:], (("experts", "embed", "mlp"),) * 2 + (("experts", "mlp", "embed"),))]
-    assert placed[0].sharding.spec[2] == "model"
-    ffn = expert_ffn_per_device(lambda a, b, c: grouped_matmul(a, b, c, interpret=True), mesh)
-    got = jax.jit(ffn)(args[0], sizes, *placed)
+              zip(args[1:], ((held, "embed", width),) * 2 + ((held, width, "embed"),))]
+    assert tuple(placed[0].sharding.spec) == (
+        ("model", None, None) if expert_parallel else (None, None, "model"))
+    mixture = experts_per_device(lambda a, b, c: grouped_matmul(a, b, c, interpret=True), mesh,
+                                 expert_parallel)
+    got = jax.jit(mixture)(*routing, *placed)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -28,12 +28,15 @@ def transformers_tokens(hf_model, prompt):
 def test_sharded_layer_variants_equal_transformers(name, tmp_path):
     """gemma3_text: sliding and global layers, two ropes, both caps (Gemma 2's and the
     sliding Qwen2's layers run the same sharded code); glm4_moe: a dense layer, then sparse
-    ones."""
+    ones with expert parallelism (shared experts tensor-parallel beside them)."""
+    moe = name == "glm4_moe"  # 8 experts in 2 groups, 2 whole experts on each device
     hf_model = build_model(name, tmp_path, num_layers=3, num_attention_heads=8,
-                           num_key_value_heads=2)
+                           num_key_value_heads=2, **(dict(n_routed_experts=8) if moe else {}))
     llm = LLM(str(tmp_path), dtype="float32", progress=False, tensor_parallel_size=4,
-              **SMALL_ENGINE)
+              enable_expert_parallel=moe, **SMALL_ENGINE)
     assert not llm.model.scan_layers
+    if moe:
+        assert llm.model.layers[1].mlp.gate_proj.get_value().sharding.spec[0] == "model"
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs):

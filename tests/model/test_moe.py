@@ -2,8 +2,9 @@
 Qwen3-MoE's and Mixtral's (softmax, top-k with ties to the lower id, optional
 renormalization) and of GLM-4.5's (sigmoid, correction bias, best groups, scaling); which
 layers stay dense; the grouped layer against a per-token numpy loop, with every token on one
-expert and experts that get none; Qwen3-MoE on stacked layers over tp=4 against
-transformers' greedy tokens (one device: tests/model/test_hf_parity.py)."""
+expert and experts that get none; Qwen3-MoE (tensor-parallel experts) and Mixtral (expert
+parallelism) on stacked layers over tp=4 against transformers' greedy tokens (one device:
+tests/model/test_hf_parity.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import torch
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf
+from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf, with_expert_parallel
 from jaxserve.model.moe import SparseMoE, route, route_sigmoid
 from tiny_models import SMALL_ENGINE, build_model, is_router
 
@@ -164,17 +165,21 @@ def greedy(hf_model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_stacked_experts_over_tp4_match_transformers(tmp_path):
+@pytest.mark.parametrize("name, expert_parallel", [("qwen3_moe", False), ("mixtral", True)])
+def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_path):
     """`scan_layers` (the TPU/GPU layout: stacked experts `[L, X, ...]`, the Pallas kernels
-    in interpret mode) over tensor parallelism 4: each device holds a quarter of every
-    expert. The routers decide the tokens: with them zeroed, transformers' own tokens
-    change."""
-    hf_model = build_model("qwen3_moe", tmp_path, head_dim=64, num_layers=2,
+    in interpret mode) over 4 devices: tensor-parallel experts (each device holds a quarter
+    of every expert) and expert parallelism (`enable_expert_parallel`: each device holds one
+    whole expert of Mixtral's 4 and computes only the tokens routed to it). The routers
+    decide the tokens: with them zeroed, transformers' own tokens change."""
+    hf_model = build_model(name, tmp_path, head_dim=64, num_layers=2,
                            num_attention_heads=4, num_key_value_heads=4)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
-              tensor_parallel_size=4, **SMALL_ENGINE)
+              tensor_parallel_size=4, enable_expert_parallel=expert_parallel, **SMALL_ENGINE)
     gate = llm.model.layers.mlp.gate_proj.get_value()  # [L, X, E, I]
-    assert gate.shape[:2] == (2, 6) and tuple(gate.sharding.spec)[-1] == "model"
+    spec = tuple(gate.sharding.spec) + (None,) * 4
+    assert spec[:4] == ((None, "model", None, None) if expert_parallel else
+                        (None, None, None, "model"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     expected = [greedy(hf_model, p, 12) for p in PROMPTS]
@@ -184,3 +189,15 @@ def test_stacked_experts_over_tp4_match_transformers(tmp_path):
             if is_router(name):
                 param.zero_()
     assert [greedy(hf_model, p, 12) for p in PROMPTS] != expected
+
+
+@pytest.mark.quick
+def test_expert_parallel_needs_experts_that_divide():
+    cfg = config_from_hf(dict(model_type="mixtral", vocab_size=16, hidden_size=8,
+                              intermediate_size=8, num_hidden_layers=1,
+                              num_attention_heads=2, num_local_experts=6,
+                              num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        with_expert_parallel(cfg, True, 4)
+    assert with_expert_parallel(cfg, True, 3).moe.expert_parallel
+    assert not with_expert_parallel(cfg, False, 3).moe.expert_parallel
