@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 import sharding
 from jaxserve.aot import gpu_kernels
+from jaxserve.aot.collectives import collectives
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
 from jaxserve.model.config import with_expert_parallel, with_quantization
@@ -77,6 +78,7 @@ class ProgramReport:
     cache_staged: int = 0  # XLA:TPU moving a whole (test-sized) pool into VMEM and back
     error: str | None = None
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
+    collectives: dict[str, dict[str, int]] | None = None  # kind -> count, bytes per device
 
 
 BUCKET_CHOICES = ("ends", "largest", "all")
@@ -127,6 +129,7 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
     report.cache_copies = found.copies
     report.cache_whole_pool_ops = found.whole_pool_ops
     report.cache_staged = found.staged
+    report.collectives = collectives(compiled.as_text())
     return report
 
 

@@ -43,6 +43,10 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
                         else "")
                      + (f", {p['cache_whole_pool_ops']} other whole-pool op(s)"
                         if p.get("cache_whole_pool_ops") else ""))
+        if verbose and p.get("collectives"):
+            lines.append("      collectives: " + ", ".join(
+                f"{kind} {c['count']}x ({_gib(c['bytes'])})"
+                for kind, c in p["collectives"].items()))
         for k in (p.get("kernels") or []) if verbose else []:
             lines.append(
                 f"      {k['name']}: grid {k['grid']}, threads {k['threads'][0]}, "
