@@ -133,6 +133,15 @@ class PagedAttention:
             return self._head_scaled(layer_index, q, k, v, layer_cache)
         return self._attend(layer_index, q, k, v, layer_cache)
 
+    @property
+    def real_tokens(self) -> jax.Array:
+        """`[T]` bool: the step's tokens that are not padding (what expert load counts).
+        Padding tokens have slot -1, except warm-up's, which all write page 0 but lie past
+        the real rows' tokens."""
+        batch = self.batch
+        real = jnp.arange(batch.slot_mapping.shape[0]) < batch.cu_q_lens[batch.num_seqs[0]]
+        return real & (batch.slot_mapping >= 0)
+
     def expert_mixture(self, x, weights, experts, gate, up, down,
                        expert_parallel=False) -> jax.Array:
         """The backend's experts for mixture-of-experts layers."""
@@ -156,9 +165,7 @@ class PagedAttention:
         applied around the backend's attention, which sees plain fp8 pages."""
         k_pages, v_pages, k_scales, v_scales = layer_cache
         stacked = self.backend.pages_per_layer is not None  # scales [num_layers, Hkv]
-        batch = self.batch
-        real_tokens = batch.cu_q_lens[batch.num_seqs[0]]  # warm-up's padding: 0, on page 0
-        valid = (jnp.arange(k.shape[0]) < real_tokens) & (batch.slot_mapping >= 0)  # [T]
+        valid = self.real_tokens  # [T]
         k_scale, v_scale = (kv_quant.calibrate(s[layer_index] if stacked else s, x, valid)
                             for s, x in ((k_scales, k), (v_scales, v)))  # [Hkv] each
         out, (k_pages, v_pages) = kv_quant.head_scaled_attention(

@@ -149,6 +149,7 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
     import jax
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.engine.expert_load import imbalance
 
     options = parse_engine_options(args.engine_option)
     print(f"jaxserve (engine options: {options or 'defaults'}; warm-up compiles every "
@@ -171,6 +172,11 @@ def _jaxserve_runs(folder: str, work: dict[str, dict], args) -> dict:
         drafted = counters["spec_decode_num_draft_tokens"]
         print(f"  speculative decoding: {accepted} of {drafted} draft tokens accepted "
               f"({accepted / drafted:.0%})", flush=True)
+    load = engine.expert_load()
+    if load is not None:  # mixture of experts: how evenly the router spread the tokens
+        per_layer = imbalance(load[load.any(axis=-1)])
+        print(f"  expert load (busiest expert's tokens over the mean, per layer): mean "
+              f"{per_layer.mean():.2f}, worst {per_layer.max():.2f}", flush=True)
     decode_step = decode_step_seconds(engine, "roofline",
                                       next(iter(work.values()))["prompts"][0], params)
     weights = sum(np.prod(x.shape) * x.dtype.itemsize

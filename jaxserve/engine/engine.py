@@ -576,6 +576,14 @@ class Engine:
             self.metrics.record_finished(seq)
         return delta
 
+    def expert_load(self) -> np.ndarray | None:
+        """A mixture-of-experts model's expert load since start, summed over the replicas:
+        `[L, X]` int64, the (token, expert) pairs each expert of each layer ran (None: a
+        dense model, or nothing run yet)."""
+        loads = [r.runner.expert_load() for r in self.replicas]
+        loads = [load for load in loads if load is not None]
+        return sum(loads) if loads else None
+
     def stats(self) -> EngineStats:
         """Queue lengths, cache usage and counters summed over the replicas (what the server's
         admission control and `/metrics` read)."""

@@ -65,6 +65,7 @@ from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
+from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
@@ -156,9 +157,13 @@ class Runner:
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
         rep = self.replicated
-        self._programs = {"step": (self._step, (rep, rep, caches_sh, rep)),
-                          "decode": (self._decode, (rep, rep, caches_sh, rep)),
-                          "spec": (self._spec, (rep, rep, rep, caches_sh, rep))}
+        # mixture-of-experts models: every program also returns its expert load [L, X]
+        self.counts_experts = model.config.moe is not None
+        load = (rep,) if self.counts_experts else ()
+        self._programs = {"step": (self._step, (rep, rep, *load, caches_sh, rep)),
+                          "decode": (self._decode, (rep, rep, *load, caches_sh, rep)),
+                          "spec": (self._spec, (rep, rep, rep, *load, caches_sh, rep))}
+        self._expert_load = ExpertLoad()
         # [max rows] each row's newest sampled token, on device: the next step's PENDING
         # tokens are read from here (`StepInput.token_source`) before the host has them.
         self.max_rows = max(config.seq_buckets)
@@ -241,8 +246,10 @@ class Runner:
                                            draft[1].for_step(batch))
         lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)
         forward = model(token_ids, inp.positions, caches, self.attention.for_step(batch), lora,
-                        aux_layers=() if head is None else head.eagle.aux_layer_ids)
+                        aux_layers=() if head is None else head.eagle.aux_layer_ids,
+                        count_experts=self.counts_experts)
         hidden, caches = forward[:2]  # [T, E]
+        load = forward[-1:] if self.counts_experts else ()  # ([L, X],) or ()
         if head is not None:  # an EAGLE head reads the target's states of the same step
             head_pool, state = draft_caches
             carried = state.last_hidden(inp.token_source, self.spec_width)  # [T, E]
@@ -260,7 +267,7 @@ class Runner:
         if draft is not None:
             caches = (caches, draft_caches)
         prompt = target_logprobs(hidden, inp.prompt_targets, model.logits)  # [T] per field
-        return result, prompt, caches, self._padded(result.tokens)
+        return result, prompt, *load, caches, self._padded(result.tokens)
 
     def _decode(self, layout: Layout, state_leaves, caches, packed, history, allowed,
                 last_tokens):
@@ -294,7 +301,7 @@ class Runner:
             return (step < num_steps) & ~jnp.all(done)
 
         def body(carry):
-            step, out, count, done, current, position, counts, caches, joined = carry
+            step, out, count, done, current, position, counts, caches, joined, load = carry
             page = inp.page_indices[row, position // page_size]
             slots = jnp.where(done, -1, page * page_size + position % page_size)
             batch = PagedBatch(slots, jnp.where(valid, position + 1, 0), inp.page_indices,
@@ -305,8 +312,11 @@ class Runner:
                     _, draft_caches = draft[0](current, position, draft_caches,
                                                draft[1].for_step(batch))
             forward = model(current, position, caches, self.attention.for_step(batch), lora,
-                            aux_layers=() if head is None else head.eagle.aux_layer_ids)
+                            aux_layers=() if head is None else head.eagle.aux_layer_ids,
+                            count_experts=self.counts_experts)
             hidden, caches = forward[:2]  # [S, E]
+            if self.counts_experts:
+                load = load + forward[-1]  # [L, X]
             if head is not None:  # the head reads each token with the state before it
                 _, _, draft_caches = head(head.embeddings(model, current), joined, position,
                                           draft_caches, draft[1].for_step(batch))
@@ -323,7 +333,7 @@ class Runner:
             position = jnp.where(done, position, position + 1)
             current = jnp.where(done, current, new)
             return (step + 1, out, count, done | stopped, current, position, counts, caches,
-                    joined)
+                    joined, load)
 
         # an EAGLE head's hidden input: the target's joined state before each row's token,
         # the first from what the last program left (`eagle3.State`)
@@ -333,24 +343,39 @@ class Runner:
             caches = (caches, head_pool)
             joined = state.last_hidden(inp.token_source[:rows], self.spec_width)
         carry = (jnp.int32(0), out, count, done, self._token_ids(inp, last_tokens),
-                 inp.positions, counts, caches, joined)
-        _, out, count, _, current, _, _, caches, joined = jax.lax.while_loop(cond, body,
-                                                                            carry)
+                 inp.positions, counts, caches, joined, self._no_load())
+        _, out, count, _, current, _, _, caches, joined, load = jax.lax.while_loop(
+            cond, body, carry)
         if head is not None:
             caches, head_pool = caches
             caches = (caches, (head_pool, state.stored(
                 eagle3.single(current, joined, self.spec_width))))
-        return out, count, caches, self._padded(current)  # SampleResult of [S, K], counts [S]
+        load = (load,) if self.counts_experts else ()
+        return out, count, *load, caches, self._padded(current)  # SampleResult of [S, K]
 
     def _spec(self, layout: Layout, state_leaves, caches, packed, history, allowed,
               last_tokens):
         """Speculative rounds (`speculative_rounds`): the kept tokens, how many per row, what
         was proposed and accepted, as the decode loop returns them plus `DraftCounts`."""
         model, inp, num_rounds = self._unpacked(layout, state_leaves, packed, history, allowed)
-        out, count, drafts, caches, current = speculative_rounds(
+        out, count, drafts, caches, current, load = speculative_rounds(
             model, self.attention, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
-            self.config, self.model_config.vocab_size, self._draft(state_leaves))
-        return out, count, drafts, caches, self._padded(current)
+            self.config, self.model_config.vocab_size, self._draft(state_leaves),
+            self._no_load())
+        load = (load,) if self.counts_experts else ()
+        return out, count, drafts, *load, caches, self._padded(current)
+
+    def _no_load(self) -> jax.Array | None:
+        """The expert load a loop starts from: zeros `[L, X]`, or None for a dense model."""
+        if not self.counts_experts:
+            return None
+        moe = self.model_config.moe
+        return jnp.zeros((self.model_config.num_layers, moe.num_experts), jnp.int32)
+
+    def expert_load(self) -> np.ndarray | None:
+        """`[L, X]` int64: the (token, expert) pairs each expert of each layer has run since
+        the engine started, padding not counted (None: a dense model)."""
+        return self._expert_load.total() if self.counts_experts else None
 
     # ---- compilation --------------------------------------------------------------------
     def _input_shapes(self, tokens: int, rows: int) -> StepInput:
@@ -626,6 +651,9 @@ class Runner:
                               self._no_history),
             self._seldom_used(inp.allowed, inp.is_constrained, self._all_allowed),
             self.last_tokens)
+        if self.counts_experts:
+            *outputs, load = outputs
+            self._expert_load.add(load)
         return outputs
 
     def launch_step(self, inp: StepInput) -> tuple[SampleResult, TargetLogprobs]:

@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.lora import LoRABatch, add_delta
-from jaxserve.model.moe import SparseMoE
+from jaxserve.model.moe import SparseMoE, expert_counts
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
                                          project, quantize, quantizes, scale_shape)
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
@@ -224,20 +224,23 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, layer_index, x, positions, attention, layer_cache,
                  lora: LoRABatch | None = None):
-        """`lora`: this layer's adapter stacks and the tokens' slots (None: the base)."""
+        """→ (x, layer_cache, the experts each token chose `[T, K]` or None in a dense
+        layer). `lora`: this layer's adapter stacks and the tokens' slots (None: the
+        base)."""
         attn_out, layer_cache = self.attn(
             layer_index, self.input_norm(x), positions, attention, layer_cache, lora)
         if self.output_norms:
             attn_out = self.attn_output_norm(attn_out)
         x = x + attn_out
         hidden = self.post_attention_norm(x)
+        routed = None  # [T, K] the experts each token chose, in a mixture-of-experts layer
         if isinstance(self.mlp, SparseMoE):  # the backend's experts, if it has some
-            out = self.mlp(hidden, getattr(attention, "expert_mixture", None))
+            out, routed = self.mlp(hidden, getattr(attention, "expert_mixture", None))
         else:
             out = self.mlp(hidden, lora)
         if self.output_norms:
             out = self.mlp_output_norm(out)
-        return x + out, layer_cache
+        return x + out, layer_cache, routed
 
 
 def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -291,47 +294,63 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
                  attention: AttentionFn, lora: LoRABatch | None = None,
-                 aux_layers: tuple[int, ...] = ()):
+                 aux_layers: tuple[int, ...] = (), count_experts: bool = False):
         """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
 
         `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache.
         `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot.
         `aux_layers`: also return the inputs of these layers side by side `[..., n * E]`
-        (what an EAGLE-3 head reads)."""
+        (what an EAGLE-3 head reads).
+        `count_experts` (mixture-of-experts models): also return, last, the expert load
+        `[L, X]` int32: per layer, the (token, expert) pairs each expert got, counting the
+        tokens `attention.real_tokens` marks (all of them if it has no such mask); dense
+        layers' rows are 0."""
         x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
                            self.compute_dtype)  # [..., E]
         if self.config.gemma is not None:  # sqrt(E), rounded to the compute dtype as HF does
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.compute_dtype)
+        moe = self.config.moe if count_experts else None
+        real = getattr(attention, "real_tokens", None)  # [T] bool, or None
+        count = lambda routed: expert_counts(routed, moe.num_experts, real)  # noqa: E731
+        load = None if moe is None else jnp.zeros((self.config.num_layers, moe.num_experts),
+                                                  jnp.int32)  # [L, X]
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
             def one_layer(carry, per_layer):
-                x, cache, aux = carry
+                x, cache, aux, load = carry
                 index, params, lora_stacks = per_layer
                 aux = tuple(jnp.where(index == at, x, kept) for at, kept in zip(aux_layers, aux))
                 layer_lora = None if lora is None else lora.with_stacks(lora_stacks)
-                x, cache = nnx.merge(graphdef, params)(index, x, positions, attention, cache,
-                                                       layer_lora)
-                return (x, cache, aux), None
+                x, cache, routed = nnx.merge(graphdef, params)(index, x, positions, attention,
+                                                               cache, layer_lora)
+                if load is not None and routed is not None:
+                    load = load.at[index].set(count(routed))
+                return (x, cache, aux, load), None
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             per_layer = (indices, stacked, None if lora is None else lora.stacks)
             aux = tuple(jnp.zeros_like(x) for _ in aux_layers)
-            (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), per_layer)
-            return self._outputs(x, kv_cache, aux)
+            (x, kv_cache, aux, load), _ = jax.lax.scan(one_layer, (x, kv_cache, aux, load),
+                                                       per_layer)
+            return self._outputs(x, kv_cache, aux, load)
         new_caches, aux = [], [None] * len(aux_layers)
         for index, layer in enumerate(self.layers):
             aux = [x if index == at else kept for at, kept in zip(aux_layers, aux)]
-            x, cache = layer(index, x, positions, attention, kv_cache[index],
-                             None if lora is None else lora.layer(index))
+            x, cache, routed = layer(index, x, positions, attention, kv_cache[index],
+                                     None if lora is None else lora.layer(index))
+            if load is not None and routed is not None:
+                load = load.at[index].set(count(routed))
             new_caches.append(cache)
-        return self._outputs(x, new_caches, aux)
+        return self._outputs(x, new_caches, aux, load)
 
-    def _outputs(self, x, kv_cache, aux):
-        """(final hidden states, cache), and the layer inputs asked for when there are some."""
-        if not aux:
-            return self.final_norm(x), kv_cache
-        return self.final_norm(x), kv_cache, jnp.concatenate(aux, axis=-1)
+    def _outputs(self, x, kv_cache, aux, load):
+        """(final hidden states, cache), then the layer inputs asked for when there are
+        some, then the expert load when counted."""
+        out = (self.final_norm(x), kv_cache)
+        if aux:
+            out += (jnp.concatenate(aux, axis=-1),)
+        return out if load is None else out + (load,)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Hidden states `[..., E]` → float32 logits `[..., V]`."""

@@ -117,6 +117,16 @@ def mix_experts(matmul, x, weights, experts, gate, up, down, first_expert=0) -> 
     return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]
 
 
+def expert_counts(experts: jax.Array, num_experts: int, real: jax.Array | None = None
+                  ) -> jax.Array:
+    """How many of the tokens' (token, expert) pairs `experts` `[T, K]` each expert got:
+    `[X]` int32, counting only the tokens where `real` `[T]` holds (None: all of them)."""
+    if real is not None:
+        experts = jnp.where(real[:, None], experts, num_experts)
+    return jnp.bincount(experts.reshape(-1), length=num_experts + 1)[:num_experts].astype(
+        jnp.int32)
+
+
 def ragged_mixture(x, weights, experts, gate, up, down, expert_parallel=False) -> jax.Array:
     """`mix_experts` with `jax.lax.ragged_dot` over every expert (any platform, any sharding
     of the "mlp" width: XLA partitions it): the default `ExpertMixture`."""
@@ -150,8 +160,10 @@ class SparseMoE(nnx.Module):
         self.shared = (shared_mlp(moe.intermediate_size * moe.shared_experts)
                        if moe.shared_experts else None)
 
-    def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None) -> jax.Array:
-        """hidden `[..., E]` → `[..., E]`; `mixture`: the backend's, else `ragged_mixture`."""
+    def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """hidden `[..., E]` → (`[..., E]`, each token's chosen experts `[T, K]` int32, T the
+        tokens of hidden flattened); `mixture`: the backend's, else `ragged_mixture`."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         if self.correction_bias is None:
             weights, experts = route(x @ self.router[...], self.top_k, self.normalize)
@@ -163,4 +175,4 @@ class SparseMoE(nnx.Module):
             expert_parallel=self.moe.expert_parallel)  # [T, E]
         if self.shared is not None:
             mixed = mixed + self.shared(x)
-        return mixed.reshape(hidden.shape)
+        return mixed.reshape(hidden.shape), experts

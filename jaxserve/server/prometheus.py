@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.expert_load import imbalance
 from jaxserve.engine.metrics import RequestStats
 from jaxserve.engine.program_cache import memory_mappings
 
@@ -75,6 +76,7 @@ class _EngineState:
         yield from _config_info(self.engines)
         yield from _lora_info(self.engines)
         yield from _spec_decode(self.engines)
+        yield from _expert_load(self.engines)
         mappings = memory_mappings()
         if mappings is not None:  # Linux: XLA:CPU's JIT maps memory per linked object
             yield GaugeMetricFamily("jaxserve:memory_mappings",
@@ -155,6 +157,31 @@ def _spec_decode(engines: dict[str, Engine]):
                 [model_name, str(position)],
                 counters.get(f"spec_decode_num_accepted_tokens_per_pos:{position}", 0))
     yield per_pos
+
+
+def _expert_load(engines: dict[str, Engine]):
+    """Mixture-of-experts engines' expert load since start: the (token, expert) pairs each
+    expert of each layer ran (a counter per layer and expert), and per layer the busiest
+    expert's pairs over the mean (a gauge, 1.0 when the router spreads tokens evenly)."""
+    loads = {name: engine.expert_load() for name, engine in list(engines.items())
+             if engine.model_config.moe is not None}
+    loads = {name: load for name, load in loads.items() if load is not None}
+    if not loads:
+        return
+    tokens = CounterMetricFamily("jaxserve:moe_expert_tokens",
+                                 "(Token, expert) pairs each expert of each layer ran.",
+                                 labels=["model_name", "layer", "expert"])
+    ratio = GaugeMetricFamily("jaxserve:moe_expert_load_imbalance",
+                              "Per layer: the busiest expert's pairs over the mean (1: even).",
+                              labels=["model_name", "layer"])
+    for model_name, load in loads.items():
+        ran = [layer for layer in range(load.shape[0]) if load[layer].any()]  # MoE layers
+        for layer, value in zip(ran, imbalance(load[ran])):
+            ratio.add_metric([model_name, str(layer)], float(value))
+            for expert, count in enumerate(load[layer]):
+                tokens.add_metric([model_name, str(layer), str(expert)], int(count))
+    yield tokens
+    yield ratio
 
 
 class PrometheusMetrics:

@@ -76,12 +76,15 @@ def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
 
 
 def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
-                       num_rounds: jax.Array, config: EngineConfig, vocab: int, draft=None):
+                       num_rounds: jax.Array, config: EngineConfig, vocab: int, draft=None,
+                       load: jax.Array | None = None):
     """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
     `current [S]`, at `inp.positions`). `draft`: (draft model, its attention backend) with
     `caches` then (target's, draft's), else the n-gram lookup proposes. Returns the kept
     tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R = `num_decode_steps`), how many
-    each row kept `[S]`, `DraftCounts`, the cache(s) and each row's newest token `[S]`."""
+    each row kept `[S]`, `DraftCounts`, the cache(s), each row's newest token `[S]`, and
+    `load` (a mixture-of-experts target's expert load `[L, X]`, None for a dense one) plus
+    the pairs the verifications ran."""
     spec = config.speculative_config
     k, page_size, limit = spec.num_speculative_tokens, config.page_size, config.max_model_len
     width = k + 1
@@ -110,7 +113,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
     head = draft[0] if draft is not None and isinstance(draft[0], eagle3.Eagle3Head) else None
     aux_layers = () if head is None else head.eagle.aux_layer_ids
 
-    def verify(position, window, done, caches, counts):
+    def verify(position, window, done, caches, counts, load):
         """Forward over `window [S, W]` (current token, drafts) at `position [S]` on; the
         token sampled at each of its positions (`SampleResult` of `[S, W]` fields), and for
         an EAGLE head the target's joined hidden states at them `[S, W, E]`."""
@@ -119,8 +122,11 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         ragged = RaggedWindow.of(q_lens, at, ~done[:, None], inp.page_indices, inp.num_seqs,
                                  page_size)
         out = model(ragged.flat(jnp.maximum(window, 0), 0), ragged.flat(at, 0), caches,
-                    attention.for_step(ragged.batch), aux_layers=aux_layers)  # [T, E], ...
+                    attention.for_step(ragged.batch), aux_layers=aux_layers,
+                    count_experts=load is not None)  # [T, E], ...
         hidden, caches = out[:2]
+        if load is not None:
+            load = load + out[-1]  # [L, X]
         joined = None if head is None else ragged.per_column(head.joined(out[2]))
         # one logits matmul for every position: the vocabulary's weights are read once
         logits = model.logits(ragged.per_column(hidden).reshape(tokens, -1))
@@ -132,7 +138,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         sampled = jax.tree.map(
             lambda a, b: jnp.concatenate([a[:, None], b.reshape(rows, k, *b.shape[1:])], 1),
             first, rest)
-        return sampled, caches, joined
+        return sampled, caches, joined, load
 
     def cond(carry):
         step, _, _, done, *_ = carry
@@ -140,7 +146,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
 
     def body(carry):
         (step, out, count, done, current, position, history, counts, stats, caches,
-         pending) = carry
+         pending, load) = carry
         remaining = inp.max_new - count  # [S] tokens the row may still keep
         if draft is None:
             drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
@@ -158,7 +164,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
-        sampled, caches, joined = verify(position, window, done, caches, counts)
+        sampled, caches, joined, load = verify(position, window, done, caches, counts, load)
         if draft is not None:
             caches = (caches, draft_caches)
         accepted, kept, stopped = acceptance(sampled.tokens, drafts, inp.stop_ids, remaining,
@@ -184,7 +190,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
                                            new, old),
                 eagle3.Pending(sampled.tokens, joined, kept), pending)
         return (step + 1, out, count, done | stopped, current, position + kept, history,
-                counts, stats, caches, pending)
+                counts, stats, caches, pending, load)
 
     done = ~valid | (inp.max_new <= 0)
     pending = state = None
@@ -193,10 +199,10 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         pending = state.pending(inp.token_source[:rows], current, width)
         caches = (target_caches, head_pool)
     carry = (jnp.int32(0), out, jnp.zeros((rows,), jnp.int32), done, current,
-             inp.positions[:rows], history, counts, stats, caches, pending)
-    _, out, count, _, current, _, _, _, stats, caches, pending = jax.lax.while_loop(
+             inp.positions[:rows], history, counts, stats, caches, pending, load)
+    _, out, count, _, current, _, _, _, stats, caches, pending, load = jax.lax.while_loop(
         cond, body, carry)
     if head is not None:
         target_caches, head_pool = caches
         caches = (target_caches, (head_pool, state.stored(pending)))
-    return out, count, stats, caches, current
+    return out, count, stats, caches, current, load

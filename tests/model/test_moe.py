@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf, with_expert_parallel
-from jaxserve.model.moe import SparseMoE, route, route_sigmoid
+from jaxserve.model.moe import SparseMoE, expert_counts, route, route_sigmoid
 from tiny_models import SMALL_ENGINE, build_model, is_router
 
 
@@ -116,8 +116,15 @@ def test_grouped_experts_match_a_per_token_loop(case):
         router = np.zeros((24, 6), np.float32)
         router[0, 4] = 50.0
         layer.router.set_value(jnp.asarray(router))
-    ours = np.asarray(jax.jit(lambda v: layer(v))(jnp.asarray(x)))
-    np.testing.assert_allclose(ours, per_token_reference(layer, x), rtol=2e-4, atol=2e-5)
+    ours, routed = jax.jit(lambda v: layer(v))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(ours), per_token_reference(layer, x), rtol=2e-4,
+                               atol=2e-5)
+    # the expert load: pairs per expert, padding tokens (the last 5 here) not counted
+    _, want = numpy_route(x @ np.asarray(layer.router[...]), 2, False)
+    real = np.arange(37) < 32
+    np.testing.assert_array_equal(np.asarray(routed), want)
+    np.testing.assert_array_equal(np.asarray(expert_counts(routed, 6, jnp.asarray(real))),
+                                  np.bincount(want[real].reshape(-1), minlength=6))
 
 
 @pytest.mark.quick
@@ -171,7 +178,8 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
     in interpret mode) over 4 devices: tensor-parallel experts (each device holds a quarter
     of every expert) and expert parallelism (`enable_expert_parallel`: each device holds one
     whole expert of Mixtral's 4 and computes only the tokens routed to it). The routers
-    decide the tokens: with them zeroed, transformers' own tokens change."""
+    decide the tokens: with them zeroed, transformers' own tokens change. The engine's
+    expert load equals transformers' routers' choices over the same tokens."""
     hf_model = build_model(name, tmp_path, head_dim=64, num_layers=2,
                            num_attention_heads=4, num_key_value_heads=4)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
@@ -184,6 +192,17 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     expected = [greedy(hf_model, p, 12) for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    # the expert load: every token the engine ran (prompt, then each output but the last)
+    # through transformers' routers, counted per layer and expert
+    load = np.zeros_like(llm.engine.expert_load())
+    for prompt, output in zip(PROMPTS, expected):
+        with torch.no_grad():
+            routers = hf_model(torch.tensor([prompt + output[:-1]]),
+                               output_router_logits=True).router_logits  # L x [T, X]
+        for layer, logits in enumerate(routers):
+            chosen = torch.topk(logits.float(), hf_model.config.num_experts_per_tok).indices
+            load[layer] += np.bincount(chosen.reshape(-1).numpy(), minlength=load.shape[1])
+    np.testing.assert_array_equal(llm.engine.expert_load(), load)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if is_router(name):
