@@ -16,10 +16,11 @@ import numpy as np
 
 class ExpertLoad:
     """The expert load of every program run, summed on the host when asked: each program's
-    `[L, X]` stays a device array until then (or until `FOLD` are waiting), so counting
-    adds no device-to-host copy to a step."""
+    `[L, X]` stays a device array until then, so counting adds no device-to-host copy to a
+    step. Past `FOLD` waiting arrays the older ones are summed, all but the newest `RECENT`
+    (whose programs may still run: the engine must not wait for them)."""
 
-    FOLD = 64
+    FOLD, RECENT = 64, 4
 
     def __init__(self):
         self._total: np.ndarray | None = None
@@ -29,17 +30,21 @@ class ExpertLoad:
     def add(self, load: jax.Array) -> None:
         with self._lock:
             self._pending.append(load)
-        if len(self._pending) >= self.FOLD:
-            self.total()
+            if len(self._pending) >= self.FOLD:
+                self._fold(len(self._pending) - self.RECENT)
 
     def total(self) -> np.ndarray | None:
         """`[L, X]` int64 so far (None before any program ran)."""
         with self._lock:
-            pending, self._pending = self._pending, []
-            for load in pending:
-                counts = np.asarray(jax.device_get(load), np.int64)
-                self._total = counts if self._total is None else self._total + counts
+            self._fold(len(self._pending))
             return self._total
+
+    def _fold(self, count: int) -> None:
+        """Add the oldest `count` waiting arrays to the total."""
+        for load in self._pending[:count]:
+            counts = np.asarray(jax.device_get(load), np.int64)
+            self._total = counts if self._total is None else self._total + counts
+        del self._pending[:count]
 
 
 def imbalance(load: np.ndarray) -> np.ndarray:
