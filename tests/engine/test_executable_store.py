@@ -48,8 +48,9 @@ def start(folder, cache_dir):
     """Run START in a new process with `cache_dir` as jaxserve's cache; (result, stderr)."""
     engine = {**SMALL_ENGINE, "seq_buckets": [2, 8]}  # 4 programs: 2 steps, 2 decode loops
     env = {**os.environ, "JAXSERVE_CACHE_DIR": str(cache_dir), "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one device, as a user's
-    # process has, and the suite's cheaper compiles (tests/conftest.py)
+    env["XLA_FLAGS"] = " ".join(  # one device, as a user's process has; the suite's
+        flag for flag in os.environ["XLA_FLAGS"].split()  # cheaper compiles (conftest.py)
+        if not flag.startswith("--xla_force_host_platform_device_count"))
     done = subprocess.run([sys.executable, "-c", START, str(folder), json.dumps(engine),
                            json.dumps(PROMPT), str(MAX_TOKENS)],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -4,15 +4,8 @@ Test files are named test_pallas_* so their basenames cannot clash with tests/te
 (no __init__.py: pytest imports test modules by basename).
 """
 
-import os
-
-# 8 host devices for the shard_map test, LLVM at -O0 as tests/conftest.py says why; must be
-# set before jax initialises.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 
 class Case:
