@@ -29,7 +29,10 @@ SCHEMA = {"type": "object",
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("jaxserve/default_model", progress=False, strict_compile=True)
+    """One rung per ladder (a step program and a decode loop): masks are per row, so the
+    buckets' sizes do not matter here, and the cpu preset's 12 programs took a minute."""
+    return LLM("jaxserve/default_model", progress=False, strict_compile=True, max_num_seqs=8,
+               max_num_batched_tokens=64, token_buckets=(64,), seq_buckets=(8,))
 
 
 def constrained(seed: int, max_tokens: int = 96, **structured) -> SamplingParams:
