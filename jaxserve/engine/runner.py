@@ -136,9 +136,8 @@ class Runner:
                                                 draft.scan_layers, platform)
         # an EAGLE head's cache is its pool and what each row left it to read (`State`)
         head_state = None if not self.eagle else functools.partial(
-            eagle3.State.zeros, max(config.seq_buckets),
-            config.speculative_config.num_speculative_tokens + 1, draft.config.hidden_size,
-            draft.compute_dtype, sharding.replicated(mesh), abstract)
+            eagle3.State.zeros, max(config.seq_buckets), self.spec_width,
+            draft.config.hidden_size, draft.compute_dtype, sharding.replicated(mesh), abstract)
         if abstract:
             pools = [cache_structure(m.config, num_pages, config.page_size, cache_dtype,
                                      m.scan_layers, mesh, platform) for m in models]

@@ -315,8 +315,10 @@ class State:
 
     def last_hidden(self, source: jax.Array, width: int) -> jax.Array:
         """`[S, E]` the joined state before each row's current token (zeros: unknown)."""
-        pending = self.pending(source, jnp.zeros_like(source), width)
-        last = pending.hidden[jnp.arange(source.shape[0]), jnp.maximum(pending.count - 1, 0)]
+        rows = self.count.shape[0]
+        row = jnp.maximum(source, 0)  # [S]
+        column = jnp.maximum(self.count[row] - 1, 0)  # [S] the last kept token's
+        last = self.hidden.reshape(rows, width, -1)[row, column]  # [S, E]
         return jnp.where((source >= 0)[:, None], last, 0)
 
     def stored(self, pending: Pending) -> "State":
