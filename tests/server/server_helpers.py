@@ -14,6 +14,27 @@ from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState
 
 
+# A CPU preset of one rung per ladder: a step program and a decode loop, the fewest a server
+# compiles (for tests whose point is not the buckets).
+ONE_RUNG_PRESET = """
+[hardware]
+platform = "cpu"
+devices = 1
+[model]
+dtype = "float32"
+max_model_len = 256
+[kv_cache]
+page_size = 16
+num_pages = 64
+[batching]
+max_num_seqs = 4
+max_num_batched_tokens = 64
+num_decode_steps = 4
+token_buckets = [64]
+seq_buckets = [4]
+"""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

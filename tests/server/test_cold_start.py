@@ -10,30 +10,15 @@ import re
 import subprocess
 import sys
 
+from server_helpers import ONE_RUNG_PRESET
 
 ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+) of "
                  r"(\d+)\s*$", re.M)
 
 
-PRESET = """
-[hardware]
-platform = "cpu"
-devices = 1
-
-[model]
-dtype = "float32"
-
-[batching]
-max_num_seqs = 8
-max_num_batched_tokens = 64
-token_buckets = [64]
-seq_buckets = [8]
-"""
-
-
 def test_second_start_of_the_shipped_model_is_healthy_in_seconds(tmp_path):
     preset = tmp_path / "one-rung.toml"
-    preset.write_text(PRESET)
+    preset.write_text(ONE_RUNG_PRESET)
     done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "startup",
                            "--config", str(preset), "--starts", "2", "--cache-dir",
                            str(tmp_path / "cache"), "--no-baseline"],

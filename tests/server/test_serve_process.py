@@ -13,27 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import free_port, wait_until
+from server_helpers import ONE_RUNG_PRESET, free_port, wait_until
 from tiny_models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESET = """
-[hardware]
-platform = "cpu"
-devices = 1
-[model]
-dtype = "float32"
-max_model_len = 256
-[kv_cache]
-page_size = 16
-num_pages = 64
-[batching]
-max_num_seqs = 4
-max_num_batched_tokens = 64
-num_decode_steps = 4
-token_buckets = [64]
-seq_buckets = [4]
-"""
 
 
 def start_server(*args, wait_healthy: bool = True) -> tuple[subprocess.Popen, str]:
@@ -88,7 +71,7 @@ def test_readme_command_serves_the_default_model_with_real_words():
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     build_model("llama", tmp_path / "model")
-    (tmp_path / "preset.toml").write_text(PRESET)
+    (tmp_path / "preset.toml").write_text(ONE_RUNG_PRESET)
     process, url = start_server("--model", str(tmp_path / "model"), "--config",
                                 str(tmp_path / "preset.toml"))
     try:
@@ -197,7 +180,7 @@ def test_a_models_file_that_cannot_work_exits_2_before_serving(tmp_path, extra, 
 
 @pytest.mark.slow  # two loads of the shipped model in a fresh process
 def test_sighup_reloads_the_models_file(tmp_path):
-    (tmp_path / "preset.toml").write_text(PRESET)
+    (tmp_path / "preset.toml").write_text(ONE_RUNG_PRESET)
     models = tmp_path / "models.toml"
     models.write_text(shipped_entry("1", tmp_path / "preset.toml"))
     process, url = start_server("--models", str(models))
