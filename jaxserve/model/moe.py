@@ -126,9 +126,27 @@ def expert_counts(experts: jax.Array, num_experts: int, real: jax.Array | None =
     return grouped_by_expert(experts, num_experts)[1]  # (the unused sort compiles away)
 
 
+def gathered_mixture(x, weights, experts, gate, up, down) -> jax.Array:
+    """The mixture with each (token, expert) pair's weights gathered: `T * K` experts'
+    weights read, no sort. `[T, E]`, as `mix_experts` computes it."""
+    tokens, k = experts.shape
+    chosen = experts.reshape(-1)  # [R] pair order, R = T * K
+    rows = jnp.repeat(x, k, axis=0)  # [R, E]
+    h = (jax.nn.silu(jnp.einsum("re,rei->ri", rows, gate[chosen]))
+         * jnp.einsum("re,rei->ri", rows, up[chosen]))  # [R, I]
+    out = jnp.einsum("ri,rie->re", h, down[chosen]).reshape(tokens, k, -1)  # [T, K, E]
+    return jnp.sum(out * weights[..., None].astype(x.dtype), axis=1)
+
+
 def ragged_mixture(x, weights, experts, gate, up, down, expert_parallel=False) -> jax.Array:
-    """`mix_experts` with `jax.lax.ragged_dot` over every expert (any platform, any sharding
-    of the "mlp" width: XLA partitions it): the default `ExpertMixture`."""
+    """The default `ExpertMixture` (any platform, any sharding of the "mlp" width: XLA
+    partitions it). XLA:CPU and XLA:GPU lower `jax.lax.ragged_dot` as a dense product that
+    runs every row through every expert, so a bucket with fewer (token, expert) pairs than
+    experts (a decode step of a few rows) gathers its pairs' experts instead
+    (`gathered_mixture`: the weights of K experts a token, where the dense product reads and
+    runs all X); larger buckets sort the pairs into `ragged_dot`'s groups."""
+    if experts.size <= gate.shape[0]:
+        return gathered_mixture(x, weights, experts, gate, up, down)
     return mix_experts(jax.lax.ragged_dot, x, weights, experts, gate, up, down)
 
 
