@@ -138,16 +138,45 @@ def gathered_mixture(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.sum(out * weights[..., None].astype(x.dtype), axis=1)
 
 
+def blocked_mixture(x, weights, experts, gate, up, down) -> jax.Array:
+    """The mixture as batched matmuls over blocks of rows: the (token, expert) pairs sorted by
+    expert, each expert's rows padded to whole blocks of B, and each block multiplied by its
+    expert's weights (gathered once a block). With B about R / X (R = T * K pairs, X
+    experts), at most 2X blocks: the arithmetic of about 2R rows and the weights of at most
+    2X experts, where a dense product runs every row through every expert. `[T, E]`, as
+    `mix_experts` computes it."""
+    num_experts, hidden = gate.shape[0], x.shape[-1]
+    pairs = experts.size
+    block = -(-(-(-pairs // num_experts)) // 8) * 8  # rows a block, a multiple of 8
+    num_blocks = -(-pairs // block) + num_experts  # enough however the pairs fall
+    order, group_sizes, token = grouped_by_expert(experts, num_experts)
+    blocks_of = -(-group_sizes // block)  # [X] blocks each expert's rows fill
+    ends = jnp.cumsum(blocks_of)  # [X]
+    expert = experts.reshape(-1)[order]  # [R] each sorted row's expert
+    rank = jnp.arange(pairs) - (jnp.cumsum(group_sizes) - group_sizes)[expert]  # [R]
+    slot = (ends - blocks_of)[expert] * block + rank  # [R] its place among the blocks
+    rows = jnp.zeros((num_blocks * block, hidden), x.dtype).at[slot].set(
+        jnp.take(x, token, axis=0)).reshape(num_blocks, block, hidden)  # [N, B, E]
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks), side="right"),
+                        num_experts - 1)  # [N] each block's expert (unused blocks: any)
+    h = (jax.nn.silu(jnp.einsum("nbe,nei->nbi", rows, gate[owner]))
+         * jnp.einsum("nbe,nei->nbi", rows, up[owner]))  # [N, B, I]
+    out = jnp.einsum("nbi,nie->nbe", h, down[owner]).reshape(-1, hidden)  # [N * B, E]
+    per_pair = jnp.zeros((pairs, hidden), out.dtype).at[order].set(out[slot])  # pair order
+    per_pair = per_pair.reshape(*experts.shape, hidden)  # [T, K, E]
+    return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)
+
+
 def ragged_mixture(x, weights, experts, gate, up, down, expert_parallel=False) -> jax.Array:
     """The default `ExpertMixture` (any platform, any sharding of the "mlp" width: XLA
     partitions it). XLA:CPU and XLA:GPU lower `jax.lax.ragged_dot` as a dense product that
-    runs every row through every expert, so a bucket with fewer (token, expert) pairs than
-    experts (a decode step of a few rows) gathers its pairs' experts instead
-    (`gathered_mixture`: the weights of K experts a token, where the dense product reads and
-    runs all X); larger buckets sort the pairs into `ragged_dot`'s groups."""
+    runs every row through every expert, so this does without it: a bucket with no more
+    (token, expert) pairs than experts (a decode step of a few rows) gathers its pairs'
+    experts (`gathered_mixture`: the weights of K experts a token); larger ones run blocks
+    of rows against their experts (`blocked_mixture`)."""
     if experts.size <= gate.shape[0]:
         return gathered_mixture(x, weights, experts, gate, up, down)
-    return mix_experts(jax.lax.ragged_dot, x, weights, experts, gate, up, down)
+    return blocked_mixture(x, weights, experts, gate, up, down)
 
 
 class SparseMoE(nnx.Module):
