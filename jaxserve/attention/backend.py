@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
-from jaxserve.model.moe import mix_experts, ragged_mixture
+from jaxserve.model.moe import default_mixture, mix_experts
 from pallas_kernels import kv_quant
 
 
@@ -94,7 +94,7 @@ class AttentionBackend:
         if expert_parallel and self.mesh is not None:
             return experts_per_device(jax.lax.ragged_dot, self.mesh, True)(
                 x, weights, experts, gate, up, down)
-        return ragged_mixture(x, weights, experts, gate, up, down)
+        return default_mixture(x, weights, experts, gate, up, down)
 
     # ---- common ---------------------------------------------------------------------------
     @property

@@ -13,10 +13,11 @@ capacity factor: no token is ever dropped, however unevenly the router spreads t
 every shape depends only on the token bucket, so nothing compiles after warm-up.
 
 The dispatch, grouped SwiGLU and weighted sum are an `ExpertMixture` the attention backend
-may supply (it knows the platform and the mesh, as for attention): `ragged_mixture`, XLA's
-`jax.lax.ragged_dot`, by default; the Pallas backend's on TPU is megablox `gmm` per device
-(`pallas_kernels.grouped_matmul`); with expert parallelism, each device's own experts
-(`jaxserve.attention.backend.experts_per_device`).
+may supply (it knows the platform and the mesh, as for attention): `default_mixture` by
+default (gathered experts for small buckets, blocks of rows for larger ones); the Pallas
+backend's on TPU is megablox `gmm` per device (`pallas_kernels.grouped_matmul`); with
+expert parallelism, each device's own experts (`jaxserve.attention.backend.
+experts_per_device`).
 
 Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
 expert axis: with the default rules experts are tensor-parallel (each device holds a slice
@@ -167,7 +168,8 @@ def blocked_mixture(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)
 
 
-def ragged_mixture(x, weights, experts, gate, up, down, expert_parallel=False) -> jax.Array:
+def default_mixture(x, weights, experts, gate, up, down, expert_parallel=False
+                    ) -> jax.Array:
     """The default `ExpertMixture` (any platform, any sharding of the "mlp" width: XLA
     partitions it). XLA:CPU and XLA:GPU lower `jax.lax.ragged_dot` as a dense product that
     runs every row through every expert, so this does without it: a bucket with no more
@@ -209,14 +211,14 @@ class SparseMoE(nnx.Module):
     def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         """hidden `[..., E]` → (`[..., E]`, each token's chosen experts `[T, K]` int32, T the
-        tokens of hidden flattened); `mixture`: the backend's, else `ragged_mixture`."""
+        tokens of hidden flattened); `mixture`: the backend's, else `default_mixture`."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         if self.correction_bias is None:
             weights, experts = route(x @ self.router[...], self.top_k, self.normalize)
         else:  # GLM computes its router in float32
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [T, X]
             weights, experts = route_sigmoid(logits, self.correction_bias[...], self.moe)
-        mixed = (mixture or ragged_mixture)(
+        mixed = (mixture or default_mixture)(
             x, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
             expert_parallel=self.moe.expert_parallel)  # [T, E]
         if self.shared is not None:

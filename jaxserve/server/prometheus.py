@@ -163,9 +163,8 @@ def _expert_load(engines: dict[str, Engine]):
     """Mixture-of-experts engines' expert load since start: the (token, expert) pairs each
     expert of each layer ran (a counter per layer and expert), and per layer the busiest
     expert's pairs over the mean (a gauge, 1.0 when the router spreads tokens evenly)."""
-    loads = {name: engine.expert_load() for name, engine in list(engines.items())
-             if engine.model_config.moe is not None}
-    loads = {name: load for name, load in loads.items() if load is not None}
+    loads = {name: engine.expert_load() for name, engine in list(engines.items())}
+    loads = {name: load for name, load in loads.items() if load is not None}  # MoE engines
     if not loads:
         return
     tokens = CounterMetricFamily("jaxserve:moe_expert_tokens",

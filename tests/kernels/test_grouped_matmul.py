@@ -11,7 +11,7 @@ import pytest
 
 import sharding
 from jaxserve.attention.backend import experts_per_device
-from jaxserve.model.moe import ragged_mixture
+from jaxserve.model.moe import default_mixture
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 pytestmark = pytest.mark.quick
@@ -56,7 +56,7 @@ def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel):
     args = [jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
             for shape in ((tokens, e), (x, e, i), (x, e, i), (x, i, e))]
     routing = (args[0], weights, jnp.asarray(experts, jnp.int32))
-    want = ragged_mixture(*routing, *args[1:])
+    want = default_mixture(*routing, *args[1:])
     held, width = ("expert_shards", "expert_mlp") if expert_parallel else ("experts", "mlp")
     placed = [jax.device_put(a, sharding.named_sharding(axes, a.shape, mesh)) for a, axes in
               zip(args[1:], ((held, "embed", width),) * 2 + ((held, width, "embed"),))]

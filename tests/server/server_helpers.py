@@ -14,9 +14,10 @@ from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState
 
 
-# A CPU preset of one rung per ladder: a step program and a decode loop, the fewest a server
-# compiles (for tests whose point is not the buckets).
-ONE_RUNG_PRESET = """
+def cpu_preset(num_pages: int, max_num_seqs: int, max_num_batched_tokens: int,
+               token_buckets: list[int], seq_buckets: list[int]) -> str:
+    """A CPU preset's TOML for a test server: float32, 256 tokens of context, pages of 16."""
+    return f"""
 [hardware]
 platform = "cpu"
 devices = 1
@@ -25,14 +26,19 @@ dtype = "float32"
 max_model_len = 256
 [kv_cache]
 page_size = 16
-num_pages = 64
+num_pages = {num_pages}
 [batching]
-max_num_seqs = 4
-max_num_batched_tokens = 64
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = {max_num_batched_tokens}
 num_decode_steps = 4
-token_buckets = [64]
-seq_buckets = [4]
+token_buckets = {token_buckets}
+seq_buckets = {seq_buckets}
 """
+
+
+# One rung per ladder: a step program and a decode loop, the fewest a server compiles (for
+# tests whose point is not the buckets).
+ONE_RUNG_PRESET = cpu_preset(64, 4, 64, [64], [4])
 
 
 def free_port() -> int:

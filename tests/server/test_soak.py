@@ -19,30 +19,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import wait_until
+from server_helpers import cpu_preset, wait_until
 from test_serve_process import start_server, stop
 from tiny_models import build_model
 
 REQUESTS_PER_ROUND = 440
 CONCURRENCY = 48
 MAX_WAITING = 8
-PRESET = """
-[hardware]
-platform = "cpu"
-devices = 1
-[model]
-dtype = "float32"
-max_model_len = 256
-[kv_cache]
-page_size = 16
-num_pages = 128
-[batching]
-max_num_seqs = 8
-max_num_batched_tokens = 128
-num_decode_steps = 4
-token_buckets = [32, 128]
-seq_buckets = [2, 8]
-"""
+PRESET = cpu_preset(128, 8, 128, [32, 128], [2, 8])
 KINDS = ("plain", "stream", "n2", "stop", "chat", "leave", "malformed", "long")
 SHARED_PREFIX = list(range(40, 120))  # long prompts share it: prefix-cache hits
 
