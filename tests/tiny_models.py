@@ -184,9 +184,13 @@ def on_grid(shape, method: str, rng) -> np.ndarray:
 
 
 def put_on_grid(hf_model, method: str, seed: int = 0) -> None:
-    """Every Linear weight and the embedding of `hf_model` moved onto the method's grid."""
+    """Every Linear weight, every expert's and the embedding of `hf_model` moved onto the
+    method's grid (routers, which stay unquantized, as they are)."""
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
-            if param.ndim == 2:  # [out, in] kernels and the [V, E] embedding
+            if param.ndim == 2 and not is_router(name):  # [out, in] and the [V, E] embedding
                 param.copy_(torch.from_numpy(on_grid(tuple(param.shape), method, rng)))
+            elif param.ndim == 3:  # stacked experts [X, out, in]
+                param.copy_(torch.from_numpy(np.stack(
+                    [on_grid(tuple(param.shape[1:]), method, rng) for _ in param])))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
-from jaxserve.model.moe import default_mixture, mix_experts
+from jaxserve.model.moe import ExpertKernels, default_mixture, mix_experts
 from pallas_kernels import kv_quant
 
 
@@ -86,15 +86,16 @@ class AttentionBackend:
         new layer cache)."""
         raise NotImplementedError
 
-    def expert_mixture(self, x, weights, experts, gate, up, down,
+    def expert_mixture(self, x, weights, experts, kernels: ExpertKernels,
                        expert_parallel=False) -> jax.Array:
         """A mixture-of-experts layer's experts (`jaxserve.model.moe.ExpertMixture`):
-        `ragged_dot`, partitioned by XLA, unless a backend has better for its platform; with
-        expert parallelism on a mesh, each device's own experts (`experts_per_device`)."""
+        `default_mixture`, partitioned by XLA, unless a backend has better for its platform;
+        with expert parallelism on a mesh, each device's own experts through `ragged_dot`
+        (`experts_per_device`)."""
         if expert_parallel and self.mesh is not None:
             return experts_per_device(jax.lax.ragged_dot, self.mesh, True)(
-                x, weights, experts, gate, up, down)
-        return default_mixture(x, weights, experts, gate, up, down)
+                x, weights, experts, kernels)
+        return default_mixture(x, weights, experts, kernels)
 
     # ---- common ---------------------------------------------------------------------------
     @property
@@ -142,11 +143,10 @@ class PagedAttention:
         real = jnp.arange(batch.slot_mapping.shape[0]) < batch.cu_q_lens[batch.num_seqs[0]]
         return real & (batch.slot_mapping >= 0)
 
-    def expert_mixture(self, x, weights, experts, gate, up, down,
+    def expert_mixture(self, x, weights, experts, kernels: ExpertKernels,
                        expert_parallel=False) -> jax.Array:
         """The backend's experts for mixture-of-experts layers."""
-        return self.backend.expert_mixture(x, weights, experts, gate, up, down,
-                                           expert_parallel)
+        return self.backend.expert_mixture(x, weights, experts, kernels, expert_parallel)
 
     def _attend(self, layer_index, q, k, v, layer_cache):
         backend = self.backend
@@ -191,24 +191,30 @@ def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
     if mesh is None:
         return functools.partial(mix_experts, matmul)
 
-    def on_mesh(x, weights, experts, gate, up, down):
+    def on_mesh(x, weights, experts, kernels: ExpertKernels):
         replicated = P()
         if expert_parallel:
             axis = sharding.LOGICAL_AXIS_RULES["expert_shards"]
-            gate_spec = down_spec = P(axis, None, None)
+            gate_spec, down_spec = P(axis, None, None), P(axis, None, None)
+            gate_scale_spec, down_scale_spec = P(axis, None), P(axis, None)
         else:
-            gate_spec = sharding.partition_spec(("experts", "embed", "mlp"), gate.shape, mesh)
+            gate_spec = sharding.partition_spec(("experts", "embed", "mlp"),
+                                                kernels.gate.shape, mesh)
             axis = gate_spec[2]
             down_spec = P(None, axis, None)
-        per_device = gate.shape[0] // mesh.shape[axis] if expert_parallel else 0
+            gate_scale_spec, down_scale_spec = P(None, axis), P(None, None)
+        specs = ExpertKernels(gate_spec, gate_spec, down_spec, gate_scale_spec,
+                              gate_scale_spec, down_scale_spec)
+        specs = ExpertKernels(*(spec if kernel is not None else None
+                                for spec, kernel in zip(specs, kernels)))
+        per_device = kernels.num_experts // mesh.shape[axis] if expert_parallel else 0
 
-        def body(x, weights, experts, gate, up, down):
+        def body(x, weights, experts, kernels):
             first = jax.lax.axis_index(axis) * per_device if expert_parallel else 0
-            out = mix_experts(matmul, x, weights, experts, gate, up, down, first)  # [T, E]
+            out = mix_experts(matmul, x, weights, experts, kernels, first)  # [T, E]
             return out if axis is None else jax.lax.psum(out, axis)
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(replicated,) * 3 + (
-            gate_spec, gate_spec, down_spec), out_specs=replicated, check_vma=False)(
-            x, weights, experts, gate, up, down)
+        return jax.shard_map(body, mesh=mesh, in_specs=(replicated,) * 3 + (specs,),
+                             out_specs=replicated, check_vma=False)(x, weights, experts, kernels)
 
     return on_mesh

@@ -41,11 +41,11 @@ class PallasBackend(AttentionBackend):
                 batch.num_seqs, **scaled)  # [T, Hq, D]
         return out, layer_cache
 
-    def expert_mixture(self, x, weights, experts, gate, up, down, expert_parallel=False):
+    def expert_mixture(self, x, weights, experts, kernels, expert_parallel=False):
         """On TPU, megablox `gmm` on each device (`pallas_kernels.grouped_matmul`); elsewhere
         the base backend's `ragged_dot` (GPU has no grouped-matmul kernel here yet)."""
         on_tpu = experts_per_device(functools.partial(grouped_matmul, interpret=False),
                                     self.mesh, expert_parallel)
         return jax.lax.platform_dependent(
-            x, weights, experts, gate, up, down, tpu=on_tpu,
+            x, weights, experts, kernels, tpu=on_tpu,
             default=functools.partial(super().expert_mixture, expert_parallel=expert_parallel))

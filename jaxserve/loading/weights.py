@@ -392,6 +392,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
     variables = dict(nnx.to_flat_state(state))
     expected = hf_tensor_map(cfg)
     scales = _scale_entries(cfg, expected) if cfg.quantization else {}
+    scale_names: dict[tuple, list[str]] = {}  # model path of a scale → its HF names
+    for name, (path, _) in scales.items():
+        scale_names.setdefault(path[0] if isinstance(path, ExpertSlot) else path,
+                               []).append(name)
     files = safetensors_files(model_dir)
     seen: set[str] = set()
     experts = _ExpertStacks()
@@ -402,7 +406,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                 if name in scales or (name.endswith(".input_scale") and scales):
                     if name in scales:
                         path, transform = scales[name]
-                        variables[path].set_value(place(transform(array), path))
+                        array = transform(array)
+                        if isinstance(path, ExpertSlot):
+                            path, array = experts.add(path, array)
+                        if array is not None:
+                            variables[path].set_value(place(array, path))
                         seen.add(name)
                     continue
                 if name not in expected:
@@ -425,7 +433,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                     array, scale = quantize_on_host(array, cfg.quantization.method,
                                                     CONTRACTED_AXES[path[-1]])
                     variables[scale_path(path)].set_value(place(scale, scale_path(path)))
-                    seen.add(name + "_scale")
+                    seen.update(scale_names.get(scale_path(path), ()))
                 variables[path].set_value(place(array, path))
                 if name not in seen:
                     seen.add(name)
@@ -462,14 +470,18 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
     """HF scale name (`<weight>_scale`) → (model path, HF→model transform) for every
     weight the model stores quantized. The checkpoint either holds them (pre-quantized: one
     value per output channel, `[out, 1]`, or per tensor, `[1]` / `[]`) or they are made from
-    the float weight as it loads."""
+    the float weight as it loads. An expert's scale maps to its slot of the stacked scale
+    (`ExpertSlot`)."""
     _, state = nnx.split(abstract_model(cfg, jnp.float32))
     shapes = {path: var.get_value().shape for path, var in nnx.to_flat_state(state)}
     entries = {}
     for name, (path, _, _) in expected.items():
+        slot = path if isinstance(path, ExpertSlot) else None  # one expert's of a stack
+        if slot is not None:
+            path = slot[0]
         if not quantizes(cfg, path[-1]):
             continue
-        model_shape = shapes[scale_path(path)]
+        model_shape = shapes[scale_path(path)][1 if slot else 0:]
         out_channels = int(np.prod(model_shape))
 
         def to_model(scale, name=name, model_shape=model_shape, out_channels=out_channels):
@@ -479,5 +491,7 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
                                  f"1 (per tensor) or {out_channels} (per output channel)")
             return np.broadcast_to(flat, (out_channels,)).reshape(model_shape)
 
-        entries[name + "_scale"] = (scale_path(path), to_model)
+        target = scale_path(path) if slot is None else ExpertSlot(
+            (scale_path(path), slot[1], slot[2]))
+        entries[name + "_scale"] = (target, to_model)
     return entries

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -186,9 +187,6 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.moe is not None and self.quantization is not None:
-            raise ValueError("quantization of mixture-of-experts models (per-expert scales) is "
-                             "not supported yet; serve this model unquantized")
 
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or set(self.layer_types) - set(LAYER_TYPES)):
@@ -463,8 +461,9 @@ def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
 
     Supported: `compressed-tensors` (what llm-compressor writes for most published FP8/INT8
     models) with one config group targeting `Linear`, 8-bit symmetric weights per channel or
-    per tensor, float (fp8 e4m3) or int; its `ignore` list may name `lm_head`. The embedding
-    is never quantized in this format. Anything else is a `ValueError` naming the field."""
+    per tensor, float (fp8 e4m3) or int; its `ignore` list may name `lm_head` and the
+    routers of a mixture of experts (which are never quantized here). The embedding is never
+    quantized in this format. Anything else is a `ValueError` naming the field."""
     qc = hf.get("quantization_config")
     if not qc:
         return None
@@ -491,12 +490,30 @@ def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
             raise ValueError(f"{where}.weights.{key} {weights.get(key)!r} is not supported; "
                              f"supported: {list(accepted)}")
     ignore = list(qc.get("ignore") or [])
-    unsupported = [name for name in ignore if name != "lm_head"]
+    unsupported = [name for name in ignore if name != "lm_head" and not _names_routers(name)]
     if unsupported:
-        raise ValueError(f"{field}.ignore may name only 'lm_head' (every other Linear is "
-                         f"quantized here); got {unsupported}")
-    skip = ("embed", "lm_head") if ignore else ("embed",)
+        raise ValueError(f"{field}.ignore may name only 'lm_head' and the routers (every "
+                         f"other Linear is quantized here); got {unsupported}")
+    skip = ("embed", "lm_head") if "lm_head" in ignore else ("embed",)
     return WeightQuantization("fp8" if weights["type"] == "float" else "int8", skip)
+
+
+_ROUTERS = ("model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate")
+_NOT_ROUTERS = ("model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_proj",
+                "model.layers.0.mlp.experts.0.gate_proj")
+
+
+def _names_routers(entry: str) -> bool:
+    """Whether a compressed-tensors `ignore` entry (a module name, or "re:" and a pattern)
+    names mixture-of-experts routers and no other Linear."""
+    if not entry.startswith("re:"):
+        return re.fullmatch(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate", entry) is not None
+    pattern = entry[3:]
+    try:
+        return (any(re.fullmatch(pattern, name) for name in _ROUTERS)
+                and not any(re.fullmatch(pattern, name) for name in _NOT_ROUTERS))
+    except re.error:
+        return False
 
 
 def with_quantization(cfg: ModelConfig, method: str | None, activations: bool = False,

@@ -36,8 +36,7 @@ from flax import nnx
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.lora import LoRABatch, add_delta
 from jaxserve.model.moe import SparseMoE, expert_counts
-from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, embedding_rows,
-                                         project, quantize, quantizes, scale_shape)
+from jaxserve.model.quantization import embedding_rows, project, weight_param
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
 
 # attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
@@ -45,24 +44,10 @@ from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def _param(rngs: nnx.Rngs, shape, dtype, axes, scale: float = 0.02) -> nnx.Param:
+def random_param(rngs: nnx.Rngs, shape, dtype, axes, scale: float = 0.02) -> nnx.Param:
+    """A parameter of normal random values times `scale` with logical `axes`."""
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical_axes=axes)
-
-
-def _weight(cfg: ModelConfig, name: str, rngs: nnx.Rngs, shape, dtype,
-            axes) -> tuple[nnx.Param, nnx.Param | None]:
-    """(kernel, scale) of weight `name`: scale None unless `cfg` quantizes it, in which case
-    the kernel holds the codes of a random init and the scale its output axes."""
-    if not quantizes(cfg, name):
-        return _param(rngs, shape, dtype, axes), None
-    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
-    method = cfg.quantization.method
-    codes, scale = quantize(value, method, CONTRACTED_AXES[name], xp=jnp)
-    out_axes = tuple(a for i, a in enumerate(axes) if i not in CONTRACTED_AXES[name])
-    assert scale.shape == scale_shape(name, shape)
-    return (nnx.Param(codes.astype(STORAGE_DTYPES[method]), logical_axes=axes),
-            nnx.Param(scale, logical_axes=out_axes))
 
 
 def _zeros(shape, dtype, axes) -> nnx.Param:
@@ -98,13 +83,13 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj, self.q_proj_scale = _weight(cfg, "q_proj", rngs, (e, hq, d), dtype,
+        self.q_proj, self.q_proj_scale = weight_param(cfg, "q_proj", rngs, (e, hq, d), dtype,
                                                  ("embed", "heads", "head_dim"))
-        self.k_proj, self.k_proj_scale = _weight(cfg, "k_proj", rngs, (e, hkv, d), dtype,
+        self.k_proj, self.k_proj_scale = weight_param(cfg, "k_proj", rngs, (e, hkv, d), dtype,
                                                  ("embed", "kv_heads", "head_dim"))
-        self.v_proj, self.v_proj_scale = _weight(cfg, "v_proj", rngs, (e, hkv, d), dtype,
+        self.v_proj, self.v_proj_scale = weight_param(cfg, "v_proj", rngs, (e, hkv, d), dtype,
                                                  ("embed", "kv_heads", "head_dim"))
-        self.o_proj, self.o_proj_scale = _weight(cfg, "o_proj", rngs, (hq, d, e), dtype,
+        self.o_proj, self.o_proj_scale = weight_param(cfg, "o_proj", rngs, (hq, d, e), dtype,
                                                  ("heads", "head_dim", "embed"))
         self.quantization = cfg.quantization
         if cfg.qkv_bias:
@@ -174,11 +159,11 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
                  intermediate_size: int | None = None):
         e, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj, self.gate_proj_scale = _weight(cfg, "gate_proj", rngs, (e, i), dtype,
+        self.gate_proj, self.gate_proj_scale = weight_param(cfg, "gate_proj", rngs, (e, i), dtype,
                                                        ("embed", "mlp"))
-        self.up_proj, self.up_proj_scale = _weight(cfg, "up_proj", rngs, (e, i), dtype,
+        self.up_proj, self.up_proj_scale = weight_param(cfg, "up_proj", rngs, (e, i), dtype,
                                                    ("embed", "mlp"))
-        self.down_proj, self.down_proj_scale = _weight(cfg, "down_proj", rngs, (i, e), dtype,
+        self.down_proj, self.down_proj_scale = weight_param(cfg, "down_proj", rngs, (i, e), dtype,
                                                        ("mlp", "embed"))
         self.quantization = cfg.quantization
         if cfg.mlp_bias:
@@ -275,7 +260,7 @@ class LlamaModel(nnx.Module):
         self.config = cfg
         self.scan_layers = scan_layers
         self.compute_dtype = jnp.dtype(dtype)  # of activations and the KV cache
-        self.embed, self.embed_scale = _weight(cfg, "embed", rngs,
+        self.embed, self.embed_scale = weight_param(cfg, "embed", rngs,
                                                (cfg.vocab_size, cfg.hidden_size), dtype,
                                                ("vocab", "embed"))
         if scan_layers:
@@ -288,7 +273,7 @@ class LlamaModel(nnx.Module):
                                     for i in range(cfg.num_layers)])
         self.final_norm = norm(cfg, cfg.hidden_size, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head, self.lm_head_scale = _weight(cfg, "lm_head", rngs,
+            self.lm_head, self.lm_head_scale = weight_param(cfg, "lm_head", rngs,
                                                        (cfg.hidden_size, cfg.vocab_size),
                                                        dtype, ("embed", "vocab"))
 

@@ -24,17 +24,24 @@ expert axis: with the default rules experts are tensor-parallel (each device hol
 of every expert's "mlp" width) and the router is replicated. With `MoEConfig.
 expert_parallel` the expert weights say "expert_shards" and "expert_mlp" instead: whole
 experts, split among the devices.
+
+Quantized models (`ModelConfig.quantization`) store the experts' kernels as int8/fp8 codes
+with one float32 scale per expert and output channel (`ExpertKernels`); every mixture widens
+the codes it multiplies to the compute dtype and scales each row's result by its expert's
+scales. The router stays in the compute dtype, and the experts' activations are not
+quantized (`quantize_activations` applies to attention and dense MLPs).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig, MoEConfig
+from jaxserve.model.quantization import weight_param
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool
@@ -74,18 +81,52 @@ def route_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, moe: MoE
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-# mixture(x [T, E], weights [T, K], experts [T, K], gate [X, E, I], up [X, E, I],
-#         down [X, I, E], expert_parallel) -> [T, E]: each token's experts' SwiGLU outputs,
-#         summed with their weights (the backend's: it knows the platform and the mesh)
+class ExpertKernels(NamedTuple):
+    """The experts' SwiGLU kernels as stored: `gate`, `up` `[X, E, I]` and `down` `[X, I, E]`
+    in the compute dtype, or quantized: int8/fp8 codes with float32 scales `gate_scale`,
+    `up_scale` `[X, I]` and `down_scale` `[X, E]`, one per expert and output channel
+    (None when not quantized). A pytree, so it passes through `shard_map` and
+    `platform_dependent` whole."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_scale: jax.Array | None = None
+    up_scale: jax.Array | None = None
+    down_scale: jax.Array | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+
+# mixture(x [T, E], weights [T, K], experts [T, K], kernels: ExpertKernels,
+#         expert_parallel) -> [T, E]: each token's experts' SwiGLU outputs, summed with
+#         their weights (the backend's: it knows the platform and the mesh)
 ExpertMixture = Callable[..., jax.Array]
 
 
-def grouped_swiglu(matmul, rows, group_sizes, gate, up, down) -> jax.Array:
+def scaled(out: jax.Array, scale: jax.Array | None, owner: jax.Array) -> jax.Array:
+    """`out` `[N, ..., O]`, computed with the codes of experts `owner` `[N]`, times those
+    experts' scales `scale` `[X, O]` (None: `out` as it is), in out's dtype."""
+    if scale is None:
+        return out
+    per_row = scale[owner].reshape(owner.shape + (1,) * (out.ndim - 2) + scale.shape[-1:])
+    return (out.astype(jnp.float32) * per_row).astype(out.dtype)
+
+
+def grouped_swiglu(matmul, rows, group_sizes, kernels: ExpertKernels, row_expert
+                   ) -> jax.Array:
     """The experts' SwiGLU with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
-    group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature)."""
-    h = (jax.nn.silu(matmul(rows, gate, group_sizes))
-         * matmul(rows, up, group_sizes))  # [R, I]
-    return matmul(h, down, group_sizes)  # [R, E]
+    group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature) over `rows` `[R, E]`,
+    grouped by expert; `row_expert` `[R]` is each row's expert (for the scales)."""
+
+    def product(lhs, kernel, scale):
+        return scaled(matmul(lhs, kernel.astype(lhs.dtype), group_sizes), scale, row_expert)
+
+    h = (jax.nn.silu(product(rows, kernels.gate, kernels.gate_scale))
+         * product(rows, kernels.up, kernels.up_scale))  # [R, I]
+    return product(h, kernels.down, kernels.down_scale)  # [R, E]
 
 
 def grouped_by_expert(experts: jax.Array, num_experts: int
@@ -101,16 +142,18 @@ def grouped_by_expert(experts: jax.Array, num_experts: int
     return order, group_sizes.astype(jnp.int32), order // experts.shape[-1]
 
 
-def mix_experts(matmul, x, weights, experts, gate, up, down, first_expert=0) -> jax.Array:
-    """x `[T, E]` through the experts held here, `gate`/`up` `[X', E, I]`, `down`
-    `[X', I, E]`: experts `first_expert .. first_expert + X'` (all of them, or one device's
-    share under expert parallelism). Each (token, expert) pair of `experts` `[T, K]` held
-    here adds its SwiGLU output times its weight (`weights` `[T, K]`); pairs routed to
-    experts held elsewhere add nothing. `matmul` is the grouped matmul (`grouped_swiglu`).
-    → `[T, E]`."""
-    order, group_sizes, token = grouped_by_expert(experts - first_expert, gate.shape[0])
+def mix_experts(matmul, x, weights, experts, kernels: ExpertKernels, first_expert=0
+                ) -> jax.Array:
+    """x `[T, E]` through the experts held here (`kernels` of X' experts): experts
+    `first_expert .. first_expert + X'` (all of them, or one device's share under expert
+    parallelism). Each (token, expert) pair of `experts` `[T, K]` held here adds its SwiGLU
+    output times its weight (`weights` `[T, K]`); pairs routed to experts held elsewhere add
+    nothing. `matmul` is the grouped matmul (`grouped_swiglu`). → `[T, E]`."""
+    local = experts - first_expert  # [T, K]
+    order, group_sizes, token = grouped_by_expert(local, kernels.num_experts)
     rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
-    out = grouped_swiglu(matmul, rows, group_sizes, gate, up, down)  # [T*K, E]
+    row_expert = jnp.clip(local.reshape(-1)[order], 0, kernels.num_experts - 1)  # [T*K]
+    out = grouped_swiglu(matmul, rows, group_sizes, kernels, row_expert)  # [T*K, E]
     held = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)  # [T*K] rows of some group
     out = jnp.where(held[:, None], out, 0)
     per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
@@ -127,26 +170,39 @@ def expert_counts(experts: jax.Array, num_experts: int, real: jax.Array | None =
     return grouped_by_expert(experts, num_experts)[1]  # (the unused sort compiles away)
 
 
-def gathered_mixture(x, weights, experts, gate, up, down) -> jax.Array:
+def _owned_swiglu(spec_in: str, spec_out: str, rows, kernels: ExpertKernels, owner
+                  ) -> jax.Array:
+    """The SwiGLU of `rows` `[N, ..., E]`, each leading slice through the experts `owner`
+    `[N]`: `spec_in` / `spec_out` the einsums of gate/up and of down over gathered kernels
+    `[N, E, I]` / `[N, I, E]`."""
+
+    def product(spec, lhs, kernel, scale):
+        return scaled(jnp.einsum(spec, lhs, kernel[owner].astype(lhs.dtype)), scale, owner)
+
+    h = (jax.nn.silu(product(spec_in, rows, kernels.gate, kernels.gate_scale))
+         * product(spec_in, rows, kernels.up, kernels.up_scale))  # [N, ..., I]
+    return product(spec_out, h, kernels.down, kernels.down_scale)  # [N, ..., E]
+
+
+def gathered_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
     """The mixture with each (token, expert) pair's weights gathered: `T * K` experts'
     weights read, no sort. `[T, E]`, as `mix_experts` computes it."""
     tokens, k = experts.shape
     chosen = experts.reshape(-1)  # [R] pair order, R = T * K
     rows = jnp.repeat(x, k, axis=0)  # [R, E]
-    h = (jax.nn.silu(jnp.einsum("re,rei->ri", rows, gate[chosen]))
-         * jnp.einsum("re,rei->ri", rows, up[chosen]))  # [R, I]
-    out = jnp.einsum("ri,rie->re", h, down[chosen]).reshape(tokens, k, -1)  # [T, K, E]
+    out = _owned_swiglu("re,rei->ri", "ri,rie->re", rows, kernels, chosen)  # [R, E]
+    out = out.reshape(tokens, k, -1)  # [T, K, E]
     return jnp.sum(out * weights[..., None].astype(x.dtype), axis=1)
 
 
-def blocked_mixture(x, weights, experts, gate, up, down) -> jax.Array:
+def blocked_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
     """The mixture as batched matmuls over blocks of rows: the (token, expert) pairs sorted by
     expert, each expert's rows padded to whole blocks of B, and each block multiplied by its
     expert's weights (gathered once a block). With B about R / X (R = T * K pairs, X
     experts), at most 2X blocks: the arithmetic of about 2R rows and the weights of at most
     2X experts, where a dense product runs every row through every expert. `[T, E]`, as
     `mix_experts` computes it."""
-    num_experts, hidden = gate.shape[0], x.shape[-1]
+    num_experts, hidden = kernels.num_experts, x.shape[-1]
     pairs = experts.size
     block = -(-(-(-pairs // num_experts)) // 8) * 8  # rows a block, a multiple of 8
     num_blocks = -(-pairs // block) + num_experts  # enough however the pairs fall
@@ -160,15 +216,14 @@ def blocked_mixture(x, weights, experts, gate, up, down) -> jax.Array:
         jnp.take(x, token, axis=0)).reshape(num_blocks, block, hidden)  # [N, B, E]
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks), side="right"),
                         num_experts - 1)  # [N] each block's expert (unused blocks: any)
-    h = (jax.nn.silu(jnp.einsum("nbe,nei->nbi", rows, gate[owner]))
-         * jnp.einsum("nbe,nei->nbi", rows, up[owner]))  # [N, B, I]
-    out = jnp.einsum("nbi,nie->nbe", h, down[owner]).reshape(-1, hidden)  # [N * B, E]
+    out = _owned_swiglu("nbe,nei->nbi", "nbi,nie->nbe", rows, kernels, owner)  # [N, B, E]
+    out = out.reshape(-1, hidden)  # [N * B, E]
     per_pair = jnp.zeros((pairs, hidden), out.dtype).at[order].set(out[slot])  # pair order
     per_pair = per_pair.reshape(*experts.shape, hidden)  # [T, K, E]
     return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)
 
 
-def default_mixture(x, weights, experts, gate, up, down, expert_parallel=False
+def default_mixture(x, weights, experts, kernels: ExpertKernels, expert_parallel=False
                     ) -> jax.Array:
     """The default `ExpertMixture` (any platform, any sharding of the "mlp" width: XLA
     partitions it). XLA:CPU and XLA:GPU lower `jax.lax.ragged_dot` as a dense product that
@@ -176,15 +231,15 @@ def default_mixture(x, weights, experts, gate, up, down, expert_parallel=False
     (token, expert) pairs than experts (a decode step of a few rows) gathers its pairs'
     experts (`gathered_mixture`: the weights of K experts a token); larger ones run blocks
     of rows against their experts (`blocked_mixture`)."""
-    if experts.size <= gate.shape[0]:
-        return gathered_mixture(x, weights, experts, gate, up, down)
-    return blocked_mixture(x, weights, experts, gate, up, down)
+    if experts.size <= kernels.num_experts:
+        return gathered_mixture(x, weights, experts, kernels)
+    return blocked_mixture(x, weights, experts, kernels)
 
 
 class SparseMoE(nnx.Module):
-    """Router `[E, X]` and experts' gate/up `[X, E, I]`, down `[X, I, E]`; with sigmoid
-    scoring a correction bias `[X]` (float32); with shared experts, `shared` (a dense
-    SwiGLU, `shared_mlp` builds it)."""
+    """Router `[E, X]` and experts' gate/up `[X, E, I]`, down `[X, I, E]` (quantized: with
+    `<name>_scale` `[X, I]` / `[X, E]`); with sigmoid scoring a correction bias `[X]`
+    (float32); with shared experts, `shared` (a dense SwiGLU, `shared_mlp` builds it)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, shared_mlp=None):
         moe, e = cfg.moe, cfg.hidden_size
@@ -198,9 +253,12 @@ class SparseMoE(nnx.Module):
         held, width = ("expert_shards", "expert_mlp") if moe.expert_parallel else (
             "experts", "mlp")
         self.router = param((e, x), ("embed", "experts"))
-        self.gate_proj = param((x, e, i), (held, "embed", width))
-        self.up_proj = param((x, e, i), (held, "embed", width))
-        self.down_proj = param((x, i, e), (held, width, "embed"))
+        self.gate_proj, self.gate_proj_scale = weight_param(
+            cfg, "gate_proj", rngs, (x, e, i), dtype, (held, "embed", width))
+        self.up_proj, self.up_proj_scale = weight_param(
+            cfg, "up_proj", rngs, (x, e, i), dtype, (held, "embed", width))
+        self.down_proj, self.down_proj_scale = weight_param(
+            cfg, "down_proj", rngs, (x, i, e), dtype, (held, width, "embed"))
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.moe = moe
         self.correction_bias = (param((x,), ("experts",), jnp.float32)
@@ -219,8 +277,15 @@ class SparseMoE(nnx.Module):
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [T, X]
             weights, experts = route_sigmoid(logits, self.correction_bias[...], self.moe)
         mixed = (mixture or default_mixture)(
-            x, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-            expert_parallel=self.moe.expert_parallel)  # [T, E]
+            x, weights, experts, self.kernels(), expert_parallel=self.moe.expert_parallel)
+        # [T, E]
         if self.shared is not None:
             mixed = mixed + self.shared(x)
         return mixed.reshape(hidden.shape), experts
+
+    def kernels(self) -> ExpertKernels:
+        """The experts' kernels (and scales, when quantized) as arrays."""
+        value = lambda param: None if param is None else param[...]  # noqa: E731
+        return ExpertKernels(*(value(getattr(self, name)) for name in (
+            "gate_proj", "up_proj", "down_proj", "gate_proj_scale", "up_proj_scale",
+            "down_proj_scale")))

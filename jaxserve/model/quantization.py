@@ -3,8 +3,11 @@
 A quantized weight is two parameters: the kernel `w` in int8 or float8_e4m3fn, in the model's
 own layout, and `w_scale` in float32 with the kernel's output axes (e.g. q_proj `[E, Hq, D]`
 → scale `[Hq, D]`; the embedding `[V, E]` is scaled per row, `[V]`, which serves both the
-lookup and tied logits). The real weight is `w * w_scale`, broadcast over the contracted
-axes, so with per-output-channel scales a matmul can use the narrow kernel and scale after:
+lookup and tied logits). Contracted axes count from the end, so a stack of kernels on a
+leading axis (a mixture's experts, gate_proj `[X, E, I]` → scale `[X, I]`: one scale per
+expert and output channel) shares its name with the single kernel. The real weight is
+`w * w_scale`, broadcast over the contracted axes, so with per-output-channel scales a
+matmul can use the narrow kernel and scale after:
 
     x @ (w * s) == (x @ w) * s
 
@@ -34,15 +37,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.model.config import ModelConfig, WeightQuantization
 from pallas_kernels import absmax
 
 STORAGE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
-# weight name → its contracted axes, in the model's layout (`jaxserve.model.llama`)
-CONTRACTED_AXES = {"q_proj": (0,), "k_proj": (0,), "v_proj": (0,), "o_proj": (0, 1),
-                   "gate_proj": (0,), "up_proj": (0,), "down_proj": (0,), "lm_head": (0,),
-                   "embed": (1,)}
+# weight name → its contracted axes, counted from the last, in the model's layout
+# (`jaxserve.model.llama`; `jaxserve.model.moe` stacks experts' kernels on a leading axis)
+CONTRACTED_AXES = {"q_proj": (-3,), "k_proj": (-3,), "v_proj": (-3,), "o_proj": (-3, -2),
+                   "gate_proj": (-2,), "up_proj": (-2,), "down_proj": (-2,), "lm_head": (-2,),
+                   "embed": (-1,)}
 SCALE_SUFFIX = "_scale"
 
 
@@ -52,6 +57,25 @@ def quantizes(cfg: ModelConfig, name: str) -> bool:
             and cfg.quantization.covers(name))
 
 
+def contracted_axes(name: str, ndim: int) -> tuple[int, ...]:
+    """Weight `name`'s contracted axes in a kernel of `ndim` axes, counted from the first."""
+    return tuple(ndim + axis for axis in CONTRACTED_AXES[name])
+
+
+def weight_param(cfg: ModelConfig, name: str, rngs: nnx.Rngs, shape, dtype, axes
+                 ) -> tuple[nnx.Param, nnx.Param | None]:
+    """(kernel, scale) parameters of weight `name` with logical `axes`, randomly initialised:
+    scale None unless `cfg` quantizes the weight, in which case the kernel holds the codes
+    and the scale has the kernel's output axes."""
+    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    if not quantizes(cfg, name):
+        return nnx.Param(value.astype(dtype), logical_axes=axes), None
+    contracted = contracted_axes(name, len(shape))
+    codes, scale = quantize(value, cfg.quantization.method, contracted, xp=jnp)
+    out_axes = tuple(axis for i, axis in enumerate(axes) if i not in contracted)
+    return (nnx.Param(codes, logical_axes=axes), nnx.Param(scale, logical_axes=out_axes))
+
+
 def scale_path(path: tuple) -> tuple:
     """The model path of the scale of the weight at `path` (`<name>_scale` beside it)."""
     return path[:-1] + (path[-1] + SCALE_SUFFIX,)
@@ -59,7 +83,7 @@ def scale_path(path: tuple) -> tuple:
 
 def scale_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of weight `name`'s scale: its shape without the contracted axes."""
-    contracted = CONTRACTED_AXES[name]
+    contracted = contracted_axes(name, len(shape))
     return tuple(size for axis, size in enumerate(shape) if axis not in contracted)
 
 
@@ -76,6 +100,7 @@ def quantize_on_host(value: np.ndarray, method: str, contracted: tuple[int, ...]
     and scales (each scale covers one output channel), but the float32 temporaries are one
     slab of about `chunk_bytes`, not several copies of the whole tensor. What the loader
     uses, so quantizing a weight as it loads costs little more host memory than its codes."""
+    contracted = tuple(axis % value.ndim for axis in contracted)
     axis = next(a for a in range(value.ndim) if a not in contracted)  # first output axis
     count = value.shape[axis]
     per_channel = 4 * value.size // max(1, count)  # float32 bytes of one slice along `axis`

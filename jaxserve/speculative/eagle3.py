@@ -40,7 +40,7 @@ from safetensors.numpy import load_file
 from jaxserve.attention import PagedBatch
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import ModelConfig, config_from_hf
-from jaxserve.model.llama import MLP, Attention, _param, norm
+from jaxserve.model.llama import MLP, Attention, norm, random_param
 from jaxserve.model.quantization import embedding_rows
 from jaxserve.speculative.windows import page_slots
 
@@ -123,22 +123,22 @@ class Eagle3Head(nnx.Module):
         self.config = cfg
         self.scan_layers = False
         self.compute_dtype = jnp.dtype(dtype)
-        self.fc = _param(rngs, (3 * eagle.target_hidden_size, e), dtype, ("embed", "embed"))
+        self.fc = random_param(rngs, (3 * eagle.target_hidden_size, e), dtype, ("embed", "embed"))
         self.input_norm = norm(cfg, e, dtype)
         self.hidden_norm = norm(cfg, e, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         # q, k and v read the embedding and the hidden state side by side: [2E, heads, D]
-        self.attn.q_proj = _param(rngs, (2 * e, hq, d), dtype, ("embed", "heads", "head_dim"))
-        self.attn.k_proj = _param(rngs, (2 * e, hkv, d), dtype,
+        self.attn.q_proj = random_param(rngs, (2 * e, hq, d), dtype, ("embed", "heads", "head_dim"))
+        self.attn.k_proj = random_param(rngs, (2 * e, hkv, d), dtype,
                                   ("embed", "kv_heads", "head_dim"))
-        self.attn.v_proj = _param(rngs, (2 * e, hkv, d), dtype,
+        self.attn.v_proj = random_param(rngs, (2 * e, hkv, d), dtype,
                                   ("embed", "kv_heads", "head_dim"))
         self.post_attention_norm = norm(cfg, e, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
         self.final_norm = norm(cfg, e, dtype)
-        self.lm_head = _param(rngs, (e, eagle.draft_vocab_size), dtype, ("embed", "vocab"))
+        self.lm_head = random_param(rngs, (e, eagle.draft_vocab_size), dtype, ("embed", "vocab"))
         self.d2t = nnx.Variable(jnp.zeros((eagle.draft_vocab_size,), jnp.int32))
-        self.embed = (_param(rngs, (cfg.vocab_size, e), dtype, ("vocab", "embed"))
+        self.embed = (random_param(rngs, (cfg.vocab_size, e), dtype, ("vocab", "embed"))
                       if eagle.own_embedding else None)
 
     def joined(self, aux: jax.Array) -> jax.Array:

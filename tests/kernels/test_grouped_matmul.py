@@ -11,7 +11,8 @@ import pytest
 
 import sharding
 from jaxserve.attention.backend import experts_per_device
-from jaxserve.model.moe import default_mixture
+from jaxserve.model.moe import ExpertKernels, default_mixture
+from jaxserve.model.quantization import quantize
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 pytestmark = pytest.mark.quick
@@ -41,11 +42,13 @@ def test_grouped_matmul_equals_ragged_dot(rows, k, n, groups, case):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel):
+@pytest.mark.parametrize("expert_parallel, method", [(False, None), (True, None),
+                                                     (False, "int8"), (True, "fp8")])
+def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel, method):
     """Tensor-parallel experts (each device 16 of every expert's 64 columns) and expert
     parallelism (each device 2 whole experts of 8), with one expert taking most tokens and
-    one none, against the mixture with ragged_dot on one device."""
+    one none, against the mixture on one device; quantized (`method`): codes and scales per
+    expert and output channel on the devices, against the float weights they stand for."""
     mesh = sharding.make_mesh(tensor_parallel_size=4)
     rng = np.random.default_rng(0)
     tokens, k, e, i, x = 24, 2, 32, 64, 8
@@ -56,13 +59,20 @@ def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel):
     args = [jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
             for shape in ((tokens, e), (x, e, i), (x, e, i), (x, i, e))]
     routing = (args[0], weights, jnp.asarray(experts, jnp.int32))
-    want = default_mixture(*routing, *args[1:])
     held, width = ("expert_shards", "expert_mlp") if expert_parallel else ("experts", "mlp")
-    placed = [jax.device_put(a, sharding.named_sharding(axes, a.shape, mesh)) for a, axes in
-              zip(args[1:], ((held, "embed", width),) * 2 + ((held, width, "embed"),))]
+    axes = ((held, "embed", width),) * 2 + ((held, width, "embed"),)
+    kernels = args[1:]
+    if method is not None:  # codes [X, in, out], scales [X, out]; the float weight they mean
+        kernels = [quantize(w, method, (1,), xp=jnp) for w in kernels]
+        args[1:] = [codes.astype(jnp.float32) * scale[:, None, :] for codes, scale in kernels]
+        kernels = [codes for codes, _ in kernels] + [scale for _, scale in kernels]
+        axes += tuple((a[0], a[2]) for a in axes)
+    want = default_mixture(*routing, ExpertKernels(*args[1:]))
+    placed = [jax.device_put(a, sharding.named_sharding(names, a.shape, mesh))
+              for a, names in zip(kernels, axes)]
     assert tuple(placed[0].sharding.spec) == (
         ("model", None, None) if expert_parallel else (None, None, "model"))
     mixture = experts_per_device(lambda a, b, c: grouped_matmul(a, b, c, interpret=True), mesh,
                                  expert_parallel)
-    got = jax.jit(mixture)(*routing, *placed)
+    got = jax.jit(mixture)(*routing, ExpertKernels(*placed))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -6,17 +6,25 @@ expert and experts that get none; Qwen3-MoE (tensor-parallel experts) and Mixtra
 parallelism) on stacked layers over tp=4 against transformers' greedy tokens (one device:
 tests/model/test_hf_parity.py)."""
 
+import json
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.config import ModelConfig, MoEConfig, config_from_hf, with_expert_parallel
+from jaxserve.loading.checkpoint import convert
+from jaxserve.model.config import (ModelConfig, MoEConfig, WeightQuantization, config_from_hf,
+                                   with_expert_parallel)
 from jaxserve.model.moe import SparseMoE, expert_counts, route, route_sigmoid
-from tiny_models import SMALL_ENGINE, build_model, is_router
+from jaxserve.model.quantization import dequantize, quantize
+from tiny_models import SMALL_ENGINE, build_model, is_router, put_on_grid
 
 
 def numpy_route(logits: np.ndarray, top_k: int, normalize: bool):
@@ -87,8 +95,9 @@ def test_sigmoid_router_matches_numpy(normalize):
 def per_token_reference(layer: SparseMoE, x: np.ndarray) -> np.ndarray:
     """The layer by a loop over tokens and their experts, in numpy."""
     router = np.asarray(layer.router[...])
-    gate, up, down = (np.asarray(w[...]) for w in (layer.gate_proj, layer.up_proj,
-                                                   layer.down_proj))
+    kernels = layer.kernels()
+    gate, up, down = (np.asarray(w, np.float32) if scale is None else
+                      dequantize(w, scale, (1,)) for w, scale in zip(kernels[:3], kernels[3:]))
     weights, experts = numpy_route(x @ router, layer.top_k, layer.normalize)
     out = np.zeros_like(x)
     for t in range(len(x)):
@@ -99,17 +108,28 @@ def per_token_reference(layer: SparseMoE, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("case", ["random", "one_expert_for_all", "few_tokens"])
-def test_grouped_experts_match_a_per_token_loop(case):
-    """37 tokens (74 pairs: sorted into ragged_dot's groups), or 3 (6 pairs, no more than the
-    6 experts: their experts' weights gathered)."""
+@pytest.mark.parametrize("case, method", [("random", None), ("one_expert_for_all", None),
+                                          ("few_tokens", None), ("random", "int8"),
+                                          ("few_tokens", "fp8")])
+def test_grouped_experts_match_a_per_token_loop(case, method):
+    """37 tokens (74 pairs: sorted into blocks of rows by expert), or 3 (6 pairs, no more
+    than the 6 experts: their experts' weights gathered); quantized experts (`method`: codes
+    and a scale per expert and output channel) against the float weights they stand for."""
     cfg = ModelConfig("qwen3_moe", vocab_size=16, hidden_size=24, intermediate_size=8,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                      moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=40))
+                      moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=40),
+                      quantization=method and WeightQuantization(method))
     layer = SparseMoE(cfg, jnp.float32, nnx.Rngs(0))
     rng = np.random.default_rng(1)
-    for w in (layer.gate_proj, layer.up_proj, layer.down_proj):
-        w.set_value(jnp.asarray(rng.normal(size=w.shape) * 0.3, jnp.float32))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        value = rng.normal(size=getattr(layer, name).shape) * 0.3
+        if method is None:
+            getattr(layer, name).set_value(jnp.asarray(value, jnp.float32))
+            continue
+        codes, scale = quantize(value, method, (1,))
+        getattr(layer, name).set_value(jnp.asarray(codes))
+        getattr(layer, name + "_scale").set_value(jnp.asarray(scale))
+        assert codes.dtype.itemsize == 1 and scale.shape == (6, value.shape[2])
     x = rng.normal(size=(3 if case == "few_tokens" else 37, 24)).astype(np.float32)
     if case != "one_expert_for_all":
         layer.router.set_value(jnp.asarray(rng.normal(size=(24, 6)), jnp.float32))
@@ -136,11 +156,6 @@ def test_unsupported_moe_settings_name_the_field():
                 num_experts_per_tok=2, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         config_from_hf({**base, "num_experts_per_tok": 5})
-    with pytest.raises(ValueError, match="quantization"):
-        config_from_hf({**base, "quantization_config": {
-            "quant_method": "compressed-tensors", "format": "int-quantized",
-            "config_groups": {"g": {"targets": ["Linear"], "weights": {
-                "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}})
     assert config_from_hf(base).moe == MoEConfig(4, 2, 8, normalize_top_k=False)
     with pytest.raises(ValueError, match="n_group"):
         config_from_hf({**base, "model_type": "glm4_moe", "n_routed_experts": 4,
@@ -210,6 +225,76 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
             if is_router(name):
                 param.zero_()
     assert [greedy(hf_model, p, 12) for p in PROMPTS] != expected
+
+
+@pytest.mark.parametrize("name, method, expert_parallel, experts", [
+    ("qwen3_moe", "int8", True, {"num_experts": 8}), ("mixtral", "fp8", False, {})])
+def test_quantized_experts_on_the_grid_give_transformers_tokens(name, method, expert_parallel,
+                                                                 experts, tmp_path):
+    """Experts (and every other linear layer) whose weights the method stores exactly:
+    quantized as they load, each expert keeps a scale per output channel, so the engine over
+    tp=4 (stacked layers; each device's whole experts with expert parallelism, a slice of
+    every expert's width without) gives transformers' greedy tokens."""
+    hf_model = build_model(name, tmp_path, head_dim=64, num_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, **experts)
+    put_on_grid(hf_model, method)
+    hf_model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", quantization=method, progress=False,
+              scan_layers=True, tensor_parallel_size=4, enable_expert_parallel=expert_parallel,
+              **SMALL_ENGINE)
+    experts = llm.model.layers.mlp
+    assert experts.gate_proj.get_value().dtype.itemsize == 1
+    layers, x, _, i = experts.gate_proj.get_value().shape
+    assert experts.gate_proj_scale.get_value().shape == (layers, x, i)
+    assert experts.down_proj_scale.get_value().shape == (layers, x, hf_model.config.hidden_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(hf_model, p, 12)
+                                                        for p in PROMPTS]
+
+
+def test_compressed_tensors_moe_checkpoint_gives_transformers_tokens(tmp_path):
+    """A compressed-tensors INT8 Qwen3-MoE folder as llm-compressor writes one: every expert's
+    and every other Linear's weight int8 with a `weight_scale` per output channel, routers
+    and lm_head ignored (left in float). The engine gives the greedy tokens transformers
+    computes from the dequantized weights, and so does its orbax conversion (saved as codes,
+    restored with expert parallelism at tp=4)."""
+    build_model("qwen3_moe", tmp_path / "float", num_experts=8)
+    tensors = load_file(tmp_path / "float" / "model.safetensors")
+    quantized = {}
+    for name, value in tensors.items():
+        if name.endswith("proj.weight"):  # [out, in]
+            codes, scale = quantize(value, "int8", (1,))
+            quantized[name], quantized[name + "_scale"] = codes, scale[:, None]
+            tensors[name] = dequantize(codes, scale, (1,))
+        else:
+            quantized[name] = value
+    save_file(tensors, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float").eval()
+    (tmp_path / "int8").mkdir()
+    for file in (tmp_path / "float").iterdir():
+        shutil.copy(file, tmp_path / "int8")
+    save_file(quantized, tmp_path / "int8" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
+            "dynamic": False}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    (tmp_path / "int8" / "config.json").write_text(json.dumps(config))
+    expected = [greedy(hf_model, p, 12) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm = LLM(str(tmp_path / "int8"), dtype="float32", progress=False, **SMALL_ENGINE)
+    assert llm.model.layers[1].mlp.up_proj[...].dtype == jnp.int8
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    del llm
+    ckpt = convert(tmp_path / "int8", tmp_path / "orbax", dtype="float32", progress=False)
+    restored = LLM(str(ckpt), dtype="float32", progress=False, tensor_parallel_size=4,
+                   enable_expert_parallel=True, **SMALL_ENGINE)
+    assert restored.model.layers[1].mlp.down_proj_scale[...].shape == (8, 64)
+    assert [o.outputs[0].token_ids for o in restored.generate(prompts, params)] == expected
 
 
 @pytest.mark.quick
