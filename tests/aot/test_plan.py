@@ -286,6 +286,30 @@ def test_quantized_plan_compiles_with_its_bytes(tiny, tmp_path, platform, accele
     assert all(p["compiled"] and p["cache_donated"] for p in plan["programs"])
 
 
+def test_quantized_experts_plan_compiles_with_their_bytes(tmp_path):
+    """A Qwen3-MoE with int8 weights compiles for TPU (megablox `gmm` on the experts' widened
+    codes); its weights are the dense model's minus the MLP, plus per layer the router
+    (bfloat16), each expert's codes with a float32 scale per expert and output channel, and
+    Qwen3's q/k norms."""
+    x, m = 8, 256
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": x, "num_experts_per_tok": 2, "moe_intermediate_size": m}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e"))
+    code, plan = run_plan("--config", preset, "--model", tmp_path / "moe", "--quantization",
+                          "int8", "--num-pages", 64, "--buckets", "largest")
+    assert code == 0, plan["reason"]
+    e, i = TINY["hidden_size"], TINY["intermediate_size"]
+    dense_mlp = 3 * e * i + 4 * (2 * i + e)  # codes, scales
+    experts = 2 * e * x + 3 * x * e * m + 4 * x * (2 * m + e)  # router, codes, scales
+    qk_norms = 2 * 2 * TINY["head_dim"]
+    assert plan["weights_bytes_per_device"] == tiny_int8_weight_bytes() + TINY[
+        "num_hidden_layers"] * (experts - dense_mlp + qk_norms)
+    assert all(p["compiled"] for p in plan["programs"])
+
+
 @pytest.mark.parametrize("kv_heads,devices", sweep([(2, 1), (1, 1), (4, 4)], keep={1}))
 def test_a_plan_reads_the_page_pool_in_place_with_head_dim_64(tmp_path, kv_heads, devices):
     """head_dim 64 on TPU: two kv heads per device make a 128-lane page row, which XLA keeps
