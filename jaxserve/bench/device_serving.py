@@ -14,6 +14,11 @@ For each batch size, that many requests of `prompt_len` random tokens, each gene
 - `adapters` (the LoRA variant): distinct LoRA adapters spread over the batch (random, rank
   `LORA_RANK` on every projection; 0: LoRA on, every request on the base model), at the
   second largest batch only (at least one request per slot).
+
+The mixture-of-experts variant serves a Qwen3-30B-A3B-shaped model in int8 (it fits an
+80 GB GPU that way) at the first two batch sizes; its `mbu` counts only the experts a step
+is expected to read with its random router (uniform choices: a layer's experts each read
+with probability 1 - (1 - K/X)^batch).
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ from flax import nnx
 
 from pallas_kernels.device_check import error_text
 
-# The model shapes: Llama-3.1-8B (the shipped reference shape) and, for --quick, a tiny one.
-MODEL_SHAPE = "llama-3.1-8b"
+# The model shapes: Llama-3.1-8B (the shipped reference shape), Qwen3-30B-A3B for the
+# mixture-of-experts variant, and for --quick, tiny ones.
+MODEL_SHAPE, MOE_SHAPE = "llama-3.1-8b", "qwen3-30b-a3b"
 QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
                 "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
                 "eos_token_id": 2, "torch_dtype": "bfloat16"}
+QUICK_MOE_CONFIG = {**QUICK_CONFIG, "architectures": ["Qwen3MoeForCausalLM"],
+                    "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 64}
 # The preset `serve` would take on each chip, by a substring of jax's device_kind.
 PRESET_BY_DEVICE = {"H200": "h200-1", "H100": "h100-1", "A100": "a100-80g-1",
                     "TPU v6": "v6e-1", "TPU v5 lite": "v5e-1", "TPU v5e": "v5e-1",
@@ -49,7 +58,8 @@ VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype":
             "ngram_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 4,
                                                   "prompt_lookup_min": 2}}}
-SPEC_BATCHES = 2  # the speculative variant runs the first two batch sizes only
+SPEC_BATCHES = 2  # the speculative and MoE variants run the first two batch sizes only
+VARIANTS["moe_int8"] = {"model": MOE_SHAPE, "quantization": "int8"}
 LORA_SLOTS, LORA_RANK = 4, 16
 VARIANTS["lora"] = {"enable_lora": True, "max_loras": LORA_SLOTS, "max_lora_rank": LORA_RANK}
 
@@ -75,14 +85,15 @@ def preset_for(device: jax.Device) -> str | None:
     return next((name for key, name in PRESET_BY_DEVICE.items() if key in kind), None)
 
 
-def model_config(quick: bool):
+def model_config(quick: bool, shape: str = MODEL_SHAPE):
     """The ModelConfig of the measured shape (read as `serve` reads a folder's config)."""
     from jaxserve.loading.checkpoint import model_config as read_config
     from jaxserve.model.config import config_from_hf
     from jaxserve.presets import reference_model_dir
 
-    return config_from_hf(QUICK_CONFIG) if quick else read_config(
-        reference_model_dir(MODEL_SHAPE))
+    if quick:
+        return config_from_hf(QUICK_MOE_CONFIG if shape == MOE_SHAPE else QUICK_CONFIG)
+    return read_config(reference_model_dir(shape))
 
 
 def _random_leaf(name: str, abstract: jax.ShapeDtypeStruct, key) -> jax.Array:
@@ -136,6 +147,21 @@ def build_engine(config, options: dict[str, Any], progress: bool):
                        for leaf in jax.tree.leaves(nnx.state(model)))
     engine = Engine(model, engine_config, None, [], progress=progress)
     return engine, engine_options, weight_bytes
+
+
+def unread_expert_bytes(engine, batch: int) -> float:
+    """The expert weight bytes (per device) a decode step of `batch` rows is not expected to
+    read: each layer's experts each go unchosen by all rows with probability
+    (1 - K/X)^batch under uniform routing. 0 for a dense model."""
+    from jaxserve.model.moe import SparseMoE
+
+    moe = engine.model_config.moe
+    if moe is None:
+        return 0.0
+    stored = sum(kernel.addressable_shards[0].data.nbytes
+                 for _, module in nnx.iter_graph(engine.model) if isinstance(module, SparseMoE)
+                 for kernel in module.kernels() if kernel is not None)
+    return stored * (1 - moe.top_k / moe.num_experts) ** batch
 
 
 def kv_bytes_per_token(engine) -> int:
@@ -204,12 +230,13 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
     """Every variant at every batch size; each row handed to `add` as it is measured. Rows
     past `deadline` (time.perf_counter) are recorded as skipped."""
     work = QUICK if quick else FULL
-    config = model_config(quick)
     rng = np.random.default_rng(0)
     for variant, overrides in VARIANTS.items():
         if time.perf_counter() > deadline:
             add({"variant": variant, "skipped": "time budget spent"})
             continue
+        config = model_config(quick, overrides.get("model", MODEL_SHAPE))
+        overrides = {k: v for k, v in overrides.items() if k != "model"}
         options = {"max_num_seqs": max(work.batches), **(QUICK_LADDER if quick else {}),
                    **overrides}
         try:
@@ -222,14 +249,15 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
             add({"variant": variant, "error": error_text(err)})
             continue
         runs = [(batch, None) for batch in work.batches]
-        if "speculative_config" in overrides:
+        if "speculative_config" in overrides or config.moe is not None:
             runs = runs[:SPEC_BATCHES]
         if overrides.get("enable_lora"):
             adapters = random_adapters(engine, LORA_SLOTS, rng)
             batch = max(work.batches[-2], LORA_SLOTS)  # room for every adapter
             runs = [(batch, adapters[:count]) for count in (0, 1, LORA_SLOTS)]
         for batch, loras in runs:
-            row = {"variant": variant, "batch": batch, "prompt_len": work.prompt_len,
+            row = {"variant": variant, "model": config.model_type, "batch": batch,
+                   "prompt_len": work.prompt_len,
                    "new_tokens": work.new_tokens, "weight_bytes": weight_bytes,
                    "build_s": round(build_s, 1),
                    "options": {k: used[k] for k in sorted(used) if k in options},
@@ -242,7 +270,8 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
             except Exception as err:  # noqa: BLE001 - recorded, the run goes on
                 add({**row, "error": error_text(err)})
                 continue
-            step_bytes = weight_bytes + batch * (work.prompt_len + work.new_tokens / 2) * per_token
+            step_bytes = (weight_bytes - unread_expert_bytes(engine, batch)
+                          + batch * (work.prompt_len + work.new_tokens / 2) * per_token)
             numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
             add({**row, **{k: round(v, 4 if k in ("mbu", "acceptance") else 2)
                            for k, v in numbers.items()}})

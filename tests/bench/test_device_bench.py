@@ -30,8 +30,9 @@ def test_quick_run_writes_every_section(tmp_path):
 
     serving = data["serving"]
     assert {(row["variant"], row["batch"], row.get("adapters")) for row in serving} == {
-        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec")
+        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec", "moe_int8")
         for batch in (1, 4)} | {("lora", 4, count) for count in (0, 1, 4)}
+    assert {row["model"] for row in serving if row["variant"] == "moe_int8"} == {"qwen3_moe"}
     assert all(0 <= row["acceptance"] <= 1 for row in serving if row["variant"] == "ngram_spec")
     for row in serving:
         assert row["output_tok_s"] > 0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0
