@@ -42,8 +42,8 @@ def _platform_kernel(modules, backend, interpret, call):
 
 def _prefill_fn(backend, interpret, **options):
     """Returns f(q [T, Hq, D], k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-    chunk_len, k_scales, v_scales) -> [T, Hq, D] for the prefill kernel (rows of no chunk:
-    zeros; scales None unless the pages are int8)."""
+    chunk_len, k_scales, v_scales, sinks) -> [T, Hq, D] for the prefill kernel (rows of no
+    chunk: zeros; scales None unless the pages are int8; sinks [Hq] float or None)."""
     def call(module, run_interpret):
         return functools.partial(module.attention, interpret=run_interpret, **options)
     return _platform_kernel({"tpu": tpu_prefill, "gpu": gpu_prefill}, backend, interpret,
@@ -52,15 +52,15 @@ def _prefill_fn(backend, interpret, **options):
 
 def _decode_fn(backend, interpret, **options):
     """Returns f(q [B, Hkv, G, D], k_pages, v_pages, page_indices, key_lo, key_hi, k_scales,
-    v_scales) -> [B, Hkv, G, D] for the decode kernel (scales None unless the pages are
-    int8)."""
+    v_scales, sinks) -> [B, Hkv, G, D] for the decode kernel (scales None unless the pages
+    are int8; sinks [Hq] float or None)."""
     def call(module, run_interpret):
         return functools.partial(module.attention, interpret=run_interpret, **options)
     return _platform_kernel({"tpu": tpu_decode, "gpu": gpu_decode}, backend, interpret, call)
 
 
 def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_cap,
-            sliding_window, interpret, backend, k_scales, v_scales):
+            sliding_window, interpret, backend, k_scales, v_scales, sinks):
     """Decode kernel on q [B, Hq, D] (token b at kv_lens[b] - 1) -> [B, Hq, D]."""
     validation.check_table_covers(kv_lens, dims)
     kv_lens = jnp.minimum(kv_lens, dims.pages_per_seq * dims.page_size)  # [B]
@@ -69,7 +69,8 @@ def _decode(q, k_pages, v_pages, kv_lens, page_indices, dims, *, sm_scale, soft_
                         page_size=dims.page_size)
     batch = q.shape[0]
     q_packed = q.reshape(batch, dims.num_kv_heads, dims.group, dims.head_dim)  # [B, Hkv, G, D]
-    out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales, v_scales)
+    out = kernel(q_packed, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales, v_scales,
+                 sinks)
     return out.reshape(q.shape)  # [B, Hq, D]
 
 
@@ -80,7 +81,7 @@ def _check_backend(backend):
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, interpret=None, backend=None,
-                    k_scales=None, v_scales=None, page_size=None):
+                    k_scales=None, v_scales=None, page_size=None, sinks=None):
     """Decode attention: one query token per sequence, at position kv_lens[b] - 1.
 
     q [B, Hq, D]; k_pages, v_pages [N, page_size / f, f * Hkv * D] in q's dtype, int8 or
@@ -90,26 +91,29 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None
     softmax).
     sm_scale defaults to 1/sqrt(D); soft_cap: logits = c * tanh(logits / c);
     sliding_window W: keys j with pos - j < W only. kv_lens 0 gives zeros.
+    sinks [Hq] float (gpt-oss's attention sinks): query head h's softmax denominator gets
+    exp(sinks[h]) more, compared with the final (scaled, capped) scores; None: no sink.
     """
     _check_backend(backend)
     if backend == "reference":
         return reference.paged_attention(q, k_pages, v_pages, kv_lens, page_indices,
                                          sm_scale=sm_scale, soft_cap=soft_cap,
                                          sliding_window=sliding_window, k_scales=k_scales,
-                                         v_scales=v_scales, page_size=page_size)
+                                         v_scales=v_scales, page_size=page_size, sinks=sinks)
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
-                                   k_scales=k_scales, v_scales=v_scales, page_size=page_size)
+                                   k_scales=k_scales, v_scales=v_scales, page_size=page_size,
+                                   sinks=sinks)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     return _decode(q, k_pages, v_pages, kv_lens, page_indices, dims,
                    sm_scale=float(dims.head_dim**-0.5 if sm_scale is None else sm_scale),
                    soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
-                   backend=backend, k_scales=k_scales, v_scales=v_scales)
+                   backend=backend, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
                            interpret=None, backend=None, q_block=None, k_scales=None,
-                           v_scales=None, page_size=None):
+                           v_scales=None, page_size=None, sinks=None):
     """Attention for a flat batch of prefill chunks and decode tokens.
 
     q [T, Hq, D]; kv_lens int32[S] (total kv length incl. this step's tokens,
@@ -119,17 +123,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     padding: their output rows are zeros. Returns [T, Hq, D] in q's dtype.
     q_block: query tokens per tile of the prefill kernel (default: 128 on TPU,
     `gpu_prefill.default_q_block` on GPU: 128 query rows). Sequences with one new token go
-    to the decode kernel instead. Pages and scales as for `paged_attention`.
+    to the decode kernel instead. Pages, scales and sinks as for `paged_attention`.
     """
     _check_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-            k_scales=k_scales, v_scales=v_scales, page_size=page_size)
+            k_scales=k_scales, v_scales=v_scales, page_size=page_size, sinks=sinks)
     dims = validation.check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                    num_seqs, k_scales=k_scales, v_scales=v_scales,
-                                   page_size=page_size)
+                                   page_size=page_size, sinks=sinks)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     if q_block is not None and q_block < 1:
         raise ValueError(f"q_block must be positive, got {q_block}")
@@ -142,12 +146,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                           sliding_window=sliding_window, q_block=q_block,
                           page_size=dims.page_size)
     out = prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, rows.chunk_len,
-                  k_scales, v_scales)  # [T, Hq, D], decode rows 0
+                  k_scales, v_scales, sinks)  # [T, Hq, D], decode rows 0
     decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]
     decoded = _decode(q[decode_token], k_pages, v_pages,
                       jnp.where(rows.is_decode, kv_lens, 0), page_indices, dims,
                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                       interpret=interpret, backend=backend, k_scales=k_scales,
-                      v_scales=v_scales)  # [S, Hq, D]
+                      v_scales=v_scales, sinks=sinks)  # [S, Hq, D]
     return out.at[jnp.where(rows.is_decode, decode_token, num_tokens)].set(
         decoded, mode="drop")

@@ -14,7 +14,10 @@ H100/H200's 132 SMs, so the key range is cut into up to `splits` parts of at lea
 MIN_SPLIT_KEYS keys, each its own program writing a float32 partial (max, sum, weighted sum);
 a combine pass (`combine`, plain XLA) merges them. `default_splits` picks the count
 statically from the batch: enough programs for TARGET_PROGRAMS, one (no combine) when the
-batch already fills the card.
+batch already fills the card. Attention sinks join the softmax once, where the rows are
+finished (`softmax.normalize`): in the kernel with one split (each program's `[G']` rows'
+sinks as a block), else in `combine`, after the splits are merged: a sink given to every
+split would be counted once per split.
 
 Launch parameters per page size (`LAUNCH`), the reason being the pipelined K/V tiles of
 `num_stages` pages in shared memory and the registers of a `[page_size, D]` tile:
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gpu_dequant
+from pallas_kernels import gpu_dequant, softmax
 from pallas_kernels.reference import MASK_VALUE
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -60,12 +63,14 @@ def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
 
 
 def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_size, splits,
-            min_split_pages, scaled, sm_scale, soft_cap, precision):
+            min_split_pages, scaled, with_sinks, sm_scale, soft_cap, precision):
     # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. refs: the scales
-    # ks_ref, vs_ref [N, Hkv * S] float32 (int8 pages only), then the outputs: o
-    # [G', D] (splits 1), or the partials acc [G', D], m [G'], l [G'] (float32).
+    # ks_ref, vs_ref [N, Hkv * S] float32 (int8 pages only), the rows' sinks sink_ref [G']
+    # float32 (sinks only, with splits 1), then the outputs: o [G', D] (splits 1), or the
+    # partials acc [G', D], m [G'], l [G'] (float32).
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
-    out_refs = refs[2:] if scaled else refs
+    refs = refs[2:] if scaled else refs
+    sink_ref, out_refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
     q = q_ref[...]  # [G', D]
@@ -107,25 +112,28 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
     m, l, acc = jax.lax.fori_loop(lo_page, hi_page, body, init)
     if splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        sink = None if sink_ref is None else sink_ref[...][:, None]  # [G', 1]
+        o_ref[...] = softmax.normalize(acc, m[:, None], l[:, None], sink).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def combine(acc, m, l):
-    """Merges split partials: acc [..., S, G, D], m and l [..., S, G] -> [..., G, D] float32."""
-    m_max = m.max(axis=-2, keepdims=True)  # [..., 1, G]
-    weight = jnp.exp(m - m_max)  # [..., S, G] (0 for empty splits unless all are empty)
+def combine(acc, m, l, sinks=None):
+    """Merges split partials: acc [..., S, G, D], m and l [..., S, G] -> [..., G, D] float32,
+    with the rows' sinks [..., G] float32 (None: none)."""
+    m_max = m.max(axis=-2)  # [..., G]
+    weight = jnp.exp(m - m_max[..., None, :])  # [..., S, G] (0 for empty splits unless all are)
     total = (weight * l).sum(axis=-2)  # [..., G]
     out = (weight[..., None] * acc).sum(axis=-3)  # [..., G, D]
-    return out / jnp.where(total == 0, 1.0, total)[..., None]
+    return softmax.normalize(out, m_max[..., None], total[..., None],
+                             None if sinks is None else sinks[..., None])
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret",
                                              "page_size"))
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
-              v_scales=None, *, sm_scale, soft_cap=None, splits=None, interpret=False,
+              v_scales=None, sinks=None, *, sm_scale, soft_cap=None, splits=None, interpret=False,
               page_size=None):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size, Hkv * D] (q's
     dtype, int8 with k_scales, v_scales [N, Hkv * S] float32, or float8_e4m3fn;
@@ -134,8 +142,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
     page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be
-    <= P * page_size (the caller clamps). splits default: `default_splits`.
-    Returns [B, Hkv, G, D].
+    <= P * page_size (the caller clamps). sinks [Hkv * G] float: each query head's attention
+    sink (None: none). splits default: `default_splits`. Returns [B, Hkv, G, D].
     """
     batch, num_kv_heads, group, head_dim = q.shape
     page_size = page_size or k_pages.shape[1]
@@ -147,12 +155,17 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     scales = () if k_scales is None else (k_scales, v_scales)
+    row_sinks = None if sinks is None else softmax.row_sinks(sinks, num_kv_heads, 1,
+                                                             rows)  # [Hkv, G']
+    sink_in = (row_sinks,) if row_sinks is not None and splits == 1 else ()
     kernel = functools.partial(
         _kernel, page_size=page_size, splits=splits,
         min_split_pages=max(1, MIN_SPLIT_KEYS // page_size) if splits > 1 else 1,
-        scaled=bool(scales), sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        scaled=bool(scales), with_sinks=bool(sink_in), sm_scale=sm_scale, soft_cap=soft_cap,
+        precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    sink_spec = pl.BlockSpec((None, rows), lambda b, h, s: (h, 0))
     if splits == 1:
         out_specs = q_spec
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -168,14 +181,15 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     out = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[any_spec] * 3 + [q_spec] + [any_spec] * (2 + len(scales)),
+        in_specs=([any_spec] * 3 + [q_spec] + [any_spec] * (2 + len(scales))
+                  + [sink_spec] * len(sink_in)),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention_triton",
     )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim, page_size),
-      gpu_dequant.as_loaded(v_pages, head_dim, page_size), *scales)
+      gpu_dequant.as_loaded(v_pages, head_dim, page_size), *scales, *sink_in)
     if splits > 1:
-        out = combine(*out).astype(q.dtype)  # [B, Hkv, G', D]
+        out = combine(*out, row_sinks).astype(q.dtype)  # [B, Hkv, G', D]
     return out[:, :, :group]  # [B, Hkv, G, D]

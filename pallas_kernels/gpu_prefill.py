@@ -19,6 +19,10 @@ Quantized pages are read as stored and dequantized in registers (`gpu_dequant`):
 times their `[block_keys]` scales of the head (loaded with the same row indices and mask),
 fp8 rows decoded from their bytes, both rounded to q's dtype before the dots, as the
 reference rounds.
+
+Attention sinks reach a program as its tile's `[R']` rows' sinks (`softmax.row_sinks`: row r
+is query head r % G of its kv head) and join the softmax when its rows are finished
+(`softmax.normalize`).
 """
 
 import functools
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import batch_rows, gpu_dequant
+from pallas_kernels import batch_rows, gpu_dequant, softmax
 from pallas_kernels.reference import MASK_VALUE
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
@@ -66,12 +70,14 @@ def default_block_keys(page_size: int, head_dim: int, itemsize: int, num_stages:
 
 
 def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, k_ref,
-            v_ref, *refs, q_block, group, page_size, block_keys, scaled, scale_stride,
+            v_ref, *refs, q_block, group, page_size, block_keys, scaled, scale_stride, with_sinks,
             sm_scale, soft_cap, sliding_window, precision):
     # q_ref, o_ref [R', D] (row r: token tile * q_block + r // group, rows past q_block * G
     # padding); k_ref, v_ref [N * page_size, Hkv, D]; pt_ref [S, P]; refs: the scales
-    # ks_ref, vs_ref [N * Hkv * S] float32 (int8 pages only, S = scale_stride), then o_ref.
+    # ks_ref, vs_ref [N * Hkv * S] float32 (int8 pages only, S = scale_stride), the rows'
+    # sinks sink_ref [R'] float32 (sinks only), then o_ref.
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    sink_ref = refs[-2] if with_sinks else None
     o_ref = refs[-1]
     tile, head = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]  # [R', D]
@@ -135,9 +141,10 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(seq_lo_ref[tile], seq_hi_ref[tile] + 1, attend_sequence,
+    m, l, acc = jax.lax.fori_loop(seq_lo_ref[tile], seq_hi_ref[tile] + 1, attend_sequence,
                                   init)
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    sink = None if sink_ref is None else sink_ref[...][:, None]  # [R', 1]
+    o_ref[...] = softmax.normalize(acc, m[:, None], l[:, None], sink).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -146,8 +153,9 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_re
                      "num_warps", "num_stages", "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
-              v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
-              block_keys=None, num_warps=None, num_stages=2, interpret=False, page_size=None):
+              v_scales=None, sinks=None, *, sm_scale, soft_cap=None, sliding_window=None,
+              q_block=None, block_keys=None, num_warps=None, num_stages=2, interpret=False,
+              page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
     [N, page_size, Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * S]
     float32, or float8_e4m3fn; TPU's folded rows, `kv_quant.tokens_per_row`, are unfolded
@@ -155,7 +163,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
-    sliding_window). page_indices int32 [S, P]. Rows of no chunk come out as zeros.
+    sliding_window). page_indices int32 [S, P]. sinks [Hq] float: each query head's
+    attention sink (None: none). Rows of no chunk come out as zeros.
     q_block default: `default_q_block`; block_keys (a power of two) default:
     `default_block_keys`; num_warps default: 8 when the tile's float32 accumulator has
     128 x 128 elements or more (it spills registers with 4, measured with ptxas), else 4.
@@ -183,17 +192,21 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     scales = () if k_scales is None else tuple(x.reshape(-1) for x in (k_scales, v_scales))
+    sink_in = () if sinks is None else (
+        softmax.row_sinks(sinks, num_kv_heads, q_block, padded_rows),)  # [Hkv, R']
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size, block_keys=block_keys,
         scaled=bool(scales), scale_stride=0 if k_scales is None else
-        k_scales.shape[1] // num_kv_heads, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, precision=precision)
+        k_scales.shape[1] // num_kv_heads, with_sinks=bool(sink_in), sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     tile_spec = pl.BlockSpec((None, None, padded_rows, head_dim), lambda t, h: (t, h, 0, 0))
+    sink_spec = pl.BlockSpec((None, padded_rows), lambda t, h: (h, 0))
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[any_spec] * 6 + [tile_spec] + [any_spec] * (2 + len(scales)),
+        in_specs=([any_spec] * 6 + [tile_spec] + [any_spec] * (2 + len(scales))
+                  + [sink_spec] * len(sink_in)),
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -202,7 +215,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, page_indices, q_tiles,
       *(gpu_dequant.as_loaded(x, head_dim, page_size).reshape(num_pages * page_size, num_kv_heads,
                                                     head_dim)
-        for x in (k_pages, v_pages)), *scales)  # [tiles, Hkv, R', D]
+        for x in (k_pages, v_pages)), *scales, *sink_in)  # [tiles, Hkv, R', D]
     out = out[:, :, :rows].reshape(num_tiles, num_kv_heads, q_block, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles * q_block, num_q_heads, head_dim)
     return out[:num_tokens]  # [T, Hq, D]

@@ -4,9 +4,11 @@ Same signatures and semantics as the public kernels (minus backend selection).
 They gather each sequence's pages into a contiguous K/V, build the causal /
 sliding-window / length mask explicitly and take a float32 softmax, trading
 memory (O(tokens x context)) for obviousness. Rows that attend to no key
-(kv_len 0, padding tokens, padding sequences) come out as zeros. Pages `[N, page_size / f,
-f * Hkv * D]` are viewed as `[N, page_size, Hkv, D]` and quantized ones (`kv_quant`) are
-dequantized whole, to q's dtype, before anything else: the kernels
+(kv_len 0, padding tokens, padding sequences) come out as zeros. Attention sinks (gpt-oss,
+`sinks` [Hq]) are taken as transformers takes them: one more logit per head, after the keys'
+(scaled, capped and masked) scores, in the softmax, whose weight is then dropped. Pages `[N,
+page_size / f, f * Hkv * D]` are viewed as `[N, page_size, Hkv, D]` and quantized ones
+(`kv_quant`) are dequantized whole, to q's dtype, before anything else: the kernels
 dequantize each tile they load with the same rounding.
 """
 
@@ -21,12 +23,12 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 EXACT = jax.lax.Precision.HIGHEST
 
 
-def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
+def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window, sinks):
     """Masked softmax attention of tokens against their own sequence's keys.
 
     q [T, Hq, D]; k, v [T, L, Hkv, D] (per-token copy of its sequence's keys);
     q_pos int32[T] (position of each query; -1 or less attends to nothing);
-    kv_len int32[T]. Returns [T, Hq, D] float32.
+    kv_len int32[T]; sinks [Hq] or None. Returns [T, Hq, D] float32.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_keys, num_kv_heads = k.shape[1], k.shape[2]
@@ -42,10 +44,18 @@ def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
         mask &= q_pos[:, None] - key_pos < sliding_window
     mask = mask[:, None, None, :]  # [T, 1, 1, L]
     logits = jnp.where(mask, logits, MASK_VALUE)
-    # [T, Hkv, G, L]
+    if sinks is not None:  # the sink as one more key, always visible: [T, Hkv, G, L + 1]
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1),
+                                (num_tokens, num_kv_heads, group, 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)
+        mask = jnp.concatenate([jnp.broadcast_to(mask, sink.shape[:3] + (num_keys,)),
+                                jnp.ones_like(sink, bool)], axis=-1)
+    # [T, Hkv, G, L (+ 1)]
     weights = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
     denom = weights.sum(-1, keepdims=True)  # [T, Hkv, G, 1]
     weights = weights / jnp.where(denom == 0, 1.0, denom)
+    if sinks is not None:
+        weights = weights[..., :num_keys]  # the sink's weight has no value
     out = jnp.einsum("thgk,tkhd->thgd", weights, v.astype(jnp.float32),
                      precision=EXACT)  # [T, Hkv, G, D]
     return out.reshape(num_tokens, num_q_heads, head_dim)
@@ -70,32 +80,34 @@ def _dequantize(q, k_pages, v_pages, k_scales, v_scales, page_size):
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, interpret=None, k_scales=None,
-                    v_scales=None, page_size=None):
+                    v_scales=None, page_size=None, sinks=None):
     """Decode reference. q [B, Hq, D] -> [B, Hq, D]; `interpret` is ignored. k_scales,
-    v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`)."""
+    v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`); sinks [Hq] float: each
+    query head's attention sink (None: none)."""
     del interpret
     dims = validation.check_decode(q, k_pages, v_pages, kv_lens, page_indices,
                                    kernel_limits=False, k_scales=k_scales, v_scales=v_scales,
-                                   page_size=page_size)
+                                   page_size=page_size, sinks=sinks)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales, dims.page_size)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     k = _gather_seq(k_pages, page_indices)  # [B, L, Hkv, D]
     v = _gather_seq(v_pages, page_indices)  # [B, L, Hkv, D]
-    out = _attend(q, k, v, kv_lens - 1, kv_lens, sm_scale, soft_cap, sliding_window)
+    out = _attend(q, k, v, kv_lens - 1, kv_lens, sm_scale, soft_cap, sliding_window, sinks)
     return out.astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                            num_seqs, *, sm_scale=None, soft_cap=None,
                            sliding_window=None, interpret=None, k_scales=None, v_scales=None,
-                           page_size=None):
+                           page_size=None, sinks=None):
     """Mixed prefill/decode reference. q [T, Hq, D] -> [T, Hq, D]; `interpret` is ignored.
-    k_scales, v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`)."""
+    k_scales, v_scales [N, Hkv * S] float32: int8 pages' scales (`kv_quant`); sinks [Hq]
+    float: each query head's attention sink (None: none)."""
     del interpret
     dims = validation.check_ragged(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kernel_limits=False,
-        k_scales=k_scales, v_scales=v_scales, page_size=page_size)
+        k_scales=k_scales, v_scales=v_scales, page_size=page_size, sinks=sinks)
     validation.check_options(sm_scale, soft_cap, sliding_window)
     k_pages, v_pages = _dequantize(q, k_pages, v_pages, k_scales, v_scales, dims.page_size)
     sm_scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
@@ -109,7 +121,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     q_pos = jnp.where(valid, q_pos, -1)  # [T]
     k = _gather_seq(k_pages, page_indices)[seq]  # [T, L, Hkv, D]
     v = _gather_seq(v_pages, page_indices)[seq]  # [T, L, Hkv, D]
-    out = _attend(q, k, v, q_pos, kv_lens[seq], sm_scale, soft_cap, sliding_window)
+    out = _attend(q, k, v, q_pos, kv_lens[seq], sm_scale, soft_cap, sliding_window, sinks)
     return out.astype(q.dtype)
 
 

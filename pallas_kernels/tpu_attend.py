@@ -16,11 +16,18 @@ floats, `kv_quant`): head h's scales are a static lane slice `[pages_per_block, 
 at `h * S`, transposed (Mosaic transposes
 32-bit tiles; it cannot reshape lanes into sublanes) so that page i's become the column
 `[page_size, 1]` its tile rows are multiplied by. So the MXU dots see exactly the
-values the reference dequantizes to (`kv_quant.dequantize`)."""
+values the reference dequantizes to (`kv_quant.dequantize`).
+
+`finish` ends both kernels: the weighted sums over the weights' sums, with attention sinks
+(`softmax.normalize`) read as float32 scalars from SMEM. A kv head's block rows are its G
+query heads token after token (row r: head r % G), and Mosaic cannot turn a `[G]` lane
+vector into that sublane column, so each head's column is assembled from the G scalars
+(G selects of an `[R, 1]` column, once per grid step)."""
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import softmax
 from pallas_kernels.reference import MASK_VALUE
 
 
@@ -74,3 +81,20 @@ def attend_block(q_ref, k_buf, v_buf, slot, mask, key_valid, m_ref, l_ref, acc_r
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32)  # [R, D]
         m_ref[h] = m_new
+
+
+def finish(o_ref, m_ref, l_ref, acc_ref, sink_ref=None):
+    """o_ref [Hkv, R, D] = acc_ref [Hkv, R, D] over l_ref [Hkv, R, 1] (rows that saw no key:
+    zeros), plus the sinks of sink_ref (SMEM [Hq] float32, None: none), row r of kv head h
+    query head h * G + r % G, relative to the running max m_ref [Hkv, R, 1]."""
+    if sink_ref is None:
+        o_ref[...] = softmax.normalize(acc_ref[...], None, l_ref[...]).astype(o_ref.dtype)
+        return
+    num_kv_heads, rows, _ = acc_ref.shape
+    group = sink_ref.shape[0] // num_kv_heads
+    head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)  # [R, 1]
+    for h in range(num_kv_heads):
+        sink = jnp.full((rows, 1), sink_ref[h * group], jnp.float32)  # [R, 1]
+        for g in range(1, group):
+            sink = jnp.where(head == g, sink_ref[h * group + g], sink)
+        o_ref[h] = softmax.normalize(acc_ref[h], m_ref[h], l_ref[h], sink).astype(o_ref.dtype)

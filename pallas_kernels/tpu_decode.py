@@ -31,7 +31,8 @@ shows both).
 Queries: the G query heads of each kv head form one `[G, D]` block (all Hkv groups of a
 sequence arrive as one `[Hkv, G, D]` VMEM block through a BlockSpec); Mosaic pads G to the
 sublane tile itself, no query is replicated. Softmax in float32; scores and the weighted sum
-are MXU matmuls with float32 accumulation.
+are MXU matmuls with float32 accumulation. Attention sinks (`[Hq]` float32, whole in SMEM)
+enter once per sequence, when its output is written (`tpu_attend.finish`).
 
 How this follows and departs from tpu-inference's ragged paged attention v3 (RPA v3):
 - follows: manual double-buffered page copies with the next sequence's first block prefetched
@@ -68,19 +69,20 @@ NUM_CORES = 2  # TensorCores per megacore chip; single-core chips run the halves
 KV_BUFFER_BYTES = 8 << 20  # VMEM for K and V, both slots (v5e's scoped default is 16 MiB)
 
 
-def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
-            pages_per_block, num_pools, sm_scale, soft_cap):
-    # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
-    # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
-    # q_ref, o_ref [Hkv, G, D]; table_hbm [B, P] and the pools k_hbm, v_hbm
-    # [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * S] float32)
-    # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
+def _kernel(key_lo_ref, key_hi_ref, q_ref, *refs, batch, page_size, pages_per_block,
+            num_pools, sm_scale, soft_cap, with_sinks):
+    # refs: sink_ref (sinks only), table_hbm, the num_pools pools in HBM, o_ref, their
+    # num_pools VMEM buffers, then sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
+    # q_ref, o_ref [Hkv, G, D]; sink_ref SMEM [Hq] float32; table_hbm [B, P] and the pools
+    # k_hbm, v_hbm [N, page_size, Hkv * D] (then, int8 pages, their scales [N, Hkv * S]
+    # float32) in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
     # (slot)]; rows_ref SMEM [2, P] (this and the next sequence's table rows), row_sems DMA
     # [2]; state_ref SMEM [2] (K/V slot of the step's first block, whether the step's row is
     # already waited for); m_ref, l_ref [Hkv, G, 1] and acc_ref [Hkv, G, D] float32.
-    pools, o_ref = refs[:num_pools], refs[num_pools]
-    buffers = refs[num_pools + 1:2 * num_pools + 1]
-    sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
+    sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+    table_hbm, pools, o_ref = refs[0], refs[1:num_pools + 1], refs[num_pools + 1]
+    buffers = refs[num_pools + 2:2 * num_pools + 2]
+    sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref = refs[2 * num_pools + 2:]
     core, step = pl.program_id(0), pl.program_id(1)
     steps = pl.num_programs(1)
     seq = core * steps + step
@@ -179,8 +181,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
 
     jax.lax.fori_loop(0, blocks, body, 0)
     state_ref[0] = jax.lax.rem(slot0 + blocks, 2)
-    l = l_ref[...]  # [Hkv, G, 1]
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+    tpu_attend.finish(o_ref, m_ref, l_ref, acc_ref, sink_ref)
 
 
 @functools.partial(
@@ -188,7 +189,7 @@ def _kernel(key_lo_ref, key_hi_ref, q_ref, table_hbm, *refs, batch, page_size,
     static_argnames=("sm_scale", "soft_cap", "pages_per_block", "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
-              v_scales=None, *, sm_scale, soft_cap=None, pages_per_block=None,
+              v_scales=None, sinks=None, *, sm_scale, soft_cap=None, pages_per_block=None,
               interpret=False, page_size=None):
     """Decode attention of q [B, Hkv, G, D] over paged K/V [N, page_size / f, f * Hkv * D]
     (q's dtype, int8 with k_scales, v_scales [N, Hkv * S] float32, or float8_e4m3fn;
@@ -197,8 +198,9 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     Sequence b's query sees keys [key_lo[b], key_hi[b]) (int32 [B] each: causality and any
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
     page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be
-    <= P * page_size (the caller clamps). Returns [B, Hkv, G, D]. `interpret`: False, True or
-    a `pltpu.InterpretParams`.
+    <= P * page_size (the caller clamps). sinks [Hkv * G] float: each query head's
+    attention sink (None: none). Returns [B, Hkv, G, D]. `interpret`: False, True or a
+    `pltpu.InterpretParams`.
     """
     batch, num_kv_heads, group, head_dim = q.shape
     page_size = page_size or k_pages.shape[1]
@@ -218,6 +220,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
 
     q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    sink_in = () if sinks is None else (sinks.astype(jnp.float32),)  # [Hq], whole in SMEM
     # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
@@ -225,7 +228,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(NUM_CORES, steps),
-        in_specs=[q_spec] + [any_spec] * (1 + len(pools)),
+        in_specs=([q_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
+                  + [any_spec] * (1 + len(pools))),
         out_specs=q_spec,
         scratch_shapes=[
             *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
@@ -238,7 +242,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     )
     kernel = functools.partial(
         _kernel, batch=batch, page_size=page_size, pages_per_block=pages_per_block,
-        num_pools=len(pools), sm_scale=sm_scale, soft_cap=soft_cap)
+        num_pools=len(pools), sm_scale=sm_scale, soft_cap=soft_cap, with_sinks=bool(sink_in))
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -246,5 +250,5 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention_mosaic",
-    )(key_lo, key_hi, q, page_indices, *pools)
+    )(key_lo, key_hi, q, *sink_in, page_indices, *pools)
     return out[:batch]  # [B, Hkv, G, D]

@@ -27,7 +27,8 @@ a chunk that follows one with no keys here (a decode row), wait for their first 
 are clipped to the pages that hold the chunk's keys, so table entries past them are never
 read; V rows past the range are zeroed.
 Quantized pages as in `tpu_decode`: copied as stored (int8 with their scale pages, four
-copies per page instead of two) and dequantized per head in VMEM.
+copies per page instead of two) and dequantized per head in VMEM. Attention sinks as in
+`tpu_decode`: `[Hq]` float32 in SMEM, applied when a tile's output is written.
 
 Relation to RPA v3: like it, one kernel walks sequences inside a step with manual
 double-buffered page copies, the next sequence's first block prefetched; unlike it, the
@@ -51,20 +52,22 @@ KV_BUFFER_BYTES = 4 << 20  # K and V, both slots
 VMEM_LIMIT_BYTES = 48 << 20  # tiles of 128 tokens x 32 heads need more than v5e's 16 MiB default
 
 
-def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table_hbm, *refs,
-            q_block, group, page_size, pages_per_block, num_pools, sm_scale, soft_cap,
-            sliding_window):
-    # refs: the num_pools pools in HBM, o_ref, their num_pools VMEM buffers, then sems,
-    # rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
-    # q_ref, o_ref [Hkv, R = q_block * G, D]; table_hbm [S, P] and the pools k_hbm, v_hbm
-    # [N, page_size / f, f * Hkv * D] (then, int8 pages, their scales [N, Hkv * S] float32)
-    # in HBM; buffers [2, pages_per_block, ...] of each pool's pages; sems DMA [pool, 2
-    # (slot)]; rows_ref SMEM [2, P] (this and the next chunk's table rows), row_sems DMA [2];
-    # state_ref SMEM [3]: the next chunk's K/V slot, whether its first block is already
-    # fetched, its table-row slot; m_ref, l_ref [Hkv, R, 1] and acc_ref [Hkv, R, D] float32.
-    pools, o_ref = refs[:num_pools], refs[num_pools]
-    buffers = refs[num_pools + 1:2 * num_pools + 1]
-    sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
+def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, *refs, q_block,
+            group, page_size, pages_per_block, num_pools, sm_scale, soft_cap, sliding_window,
+            with_sinks):
+    # refs: sink_ref (sinks only), table_hbm, the num_pools pools in HBM, o_ref, their
+    # num_pools VMEM buffers, then sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref.
+    # q_ref, o_ref [Hkv, R = q_block * G, D]; sink_ref SMEM [Hq] float32; table_hbm [S, P]
+    # and the pools k_hbm, v_hbm [N, page_size / f, f * Hkv * D] (then, int8 pages, their
+    # scales [N, Hkv * S] float32) in HBM; buffers [2, pages_per_block, ...] of each pool's
+    # pages; sems DMA [pool, 2 (slot)]; rows_ref SMEM [2, P] (this and the next chunk's table
+    # rows), row_sems DMA [2]; state_ref SMEM [3]: the next chunk's K/V slot, whether its
+    # first block is already fetched, its table-row slot; m_ref, l_ref [Hkv, R, 1] and
+    # acc_ref [Hkv, R, D] float32.
+    sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+    table_hbm, pools, o_ref = refs[0], refs[1:num_pools + 1], refs[num_pools + 1]
+    buffers = refs[num_pools + 2:2 * num_pools + 2]
+    sems, rows_ref, row_sems, state_ref, m_ref, l_ref, acc_ref = refs[2 * num_pools + 2:]
     core, step = pl.program_id(0), pl.program_id(1)
     steps = pl.num_programs(1)
     tile = core * steps + step
@@ -160,8 +163,7 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
         return carry
 
     jax.lax.fori_loop(seq_lo_ref[tile], seq_hi_ref[tile] + 1, attend_sequence, 0)
-    l = l_ref[...]  # [Hkv, R, 1]
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
+    tpu_attend.finish(o_ref, m_ref, l_ref, acc_ref, sink_ref)
 
 
 @functools.partial(
@@ -170,16 +172,17 @@ def _kernel(kv_lens_ref, cu_ref, chunk_ref, seq_lo_ref, seq_hi_ref, q_ref, table
                      "interpret", "page_size"),
 )
 def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, k_scales=None,
-              v_scales=None, *, sm_scale, soft_cap=None, sliding_window=None, q_block=None,
-              pages_per_block=None, interpret=False, page_size=None):
+              v_scales=None, sinks=None, *, sm_scale, soft_cap=None, sliding_window=None,
+              q_block=None, pages_per_block=None, interpret=False, page_size=None):
     """Attention of the prefill chunks of a flat batch q [T, Hq, D] over paged K/V
     [N, page_size / f, f * Hkv * D] (q's dtype, int8 with k_scales, v_scales [N, Hkv * S]
     float32, or float8_e4m3fn; page_size None: the pages' rows, f = 1).
 
     Sequence s's chunk is the chunk_len[s] tokens from cu_q_lens[s] (0: not here, e.g. a
     decode row), at positions ending at kv_lens[s] - 1, attending causally (and within
-    sliding_window). page_indices int32 [S, P]; kv_lens must be <= P * page_size. Rows of
-    no chunk come out as zeros. Returns [T, Hq, D].
+    sliding_window). page_indices int32 [S, P]; kv_lens must be <= P * page_size. sinks [Hq]
+    float: each query head's attention sink (None: none). Rows of no chunk come out as
+    zeros. Returns [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = page_size or k_pages.shape[1]
@@ -203,6 +206,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim),
                           lambda core, step, *_: (0, core * steps + step, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    sink_in = () if sinks is None else (sinks.astype(jnp.float32),)  # [Hq], whole in SMEM
     # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
     buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
@@ -210,7 +214,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(NUM_CORES, steps),
-        in_specs=[q_spec] + [any_spec] * (1 + len(pools)),
+        in_specs=([q_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
+                  + [any_spec] * (1 + len(pools))),
         out_specs=q_spec,
         scratch_shapes=[
             *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
@@ -224,7 +229,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size,
         pages_per_block=pages_per_block, num_pools=len(pools), sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window)
+        soft_cap=soft_cap, sliding_window=sliding_window, with_sinks=bool(sink_in))
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -233,7 +238,7 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=interpret,
         name="prefill_attention_mosaic",
-    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, q_heads, page_indices,
+    )(kv_lens, cu_q_lens, chunk_len, seq_lo, seq_hi, q_heads, *sink_in, page_indices,
       *pools)  # [Hkv, T' * G, D]
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]  # [T, Hq, D]

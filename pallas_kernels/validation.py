@@ -54,11 +54,11 @@ def check_options(sm_scale, soft_cap, sliding_window):
 
 
 def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scales=None,
-                v_scales=None, page_size=None) -> Dims:
+                v_scales=None, page_size=None, sinks=None) -> Dims:
     """Checks q [*, Hq, D], k_pages/v_pages [N, page_size / f, f * Hkv * D]
     (`kv_quant.page_shape`: head_dim is q's, f = page_size / the pages' rows (page_size None:
-    f = 1), Hkv follows from the rows), page_indices [S, P], and the scales of int8 pages
-    (`check_scales`).
+    f = 1), Hkv follows from the rows), page_indices [S, P], the scales of int8 pages
+    (`check_scales`) and the attention sinks (`check_sinks`).
 
     kernel_limits=False skips the head_dim / page_size limits of the Pallas kernels (the
     jnp references take any size).
@@ -105,6 +105,7 @@ def check_cache(q, k_pages, v_pages, page_indices, kernel_limits=True, *, k_scal
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     _check_int32("page_indices", page_indices, 2)
+    check_sinks(sinks, num_q_heads)
     return Dims(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, page_indices.shape[1])
 
 
@@ -133,6 +134,16 @@ def check_scales(k_pages, k_scales, v_scales, num_kv_heads, page_size):
                              f" got {x.dtype}{list(x.shape)}")
 
 
+def check_sinks(sinks, num_q_heads):
+    """Attention sinks (None: none) are one float per query head, [Hq]: a sink per kv head or
+    per token would broadcast into the wrong heads."""
+    if sinks is None:
+        return
+    if sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be a float array [num_q_heads] = [{num_q_heads}], got "
+                         f"{sinks.dtype}{list(sinks.shape)}")
+
+
 def check_table_covers(kv_lens, dims: Dims):
     """kv_lens past what the page tables cover (P * page_size) are a ValueError when known at
     trace time (a concrete array); traced ones are clamped by the caller."""
@@ -146,9 +157,9 @@ def check_table_covers(kv_lens, dims: Dims):
 
 
 def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True, *,
-                 k_scales=None, v_scales=None, page_size=None) -> Dims:
+                 k_scales=None, v_scales=None, page_size=None, sinks=None) -> Dims:
     dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
-                       v_scales=v_scales, page_size=page_size)
+                       v_scales=v_scales, page_size=page_size, sinks=sinks)
     _check_int32("kv_lens", kv_lens, 1)
     batch = q.shape[0]
     if kv_lens.shape[0] != batch:
@@ -160,9 +171,9 @@ def check_decode(q, k_pages, v_pages, kv_lens, page_indices, kernel_limits=True,
 
 def check_ragged(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                  kernel_limits=True, *, k_scales=None, v_scales=None,
-                 page_size=None) -> Dims:
+                 page_size=None, sinks=None) -> Dims:
     dims = check_cache(q, k_pages, v_pages, page_indices, kernel_limits, k_scales=k_scales,
-                       v_scales=v_scales, page_size=page_size)
+                       v_scales=v_scales, page_size=page_size, sinks=sinks)
     _check_int32("kv_lens", kv_lens, 1)
     _check_int32("cu_q_lens", cu_q_lens, 1)
     _check_int32("num_seqs", num_seqs, 1)

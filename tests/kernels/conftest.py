@@ -36,6 +36,15 @@ class Case:
         q = self.rng.standard_normal((num_tokens, self.num_q_heads, self.head_dim))
         return q.astype(self.dtype)  # [T, Hq, D]
 
+    def sinks(self):
+        """Attention sinks [Hq] float32 around the largest scores (q.k / sqrt(D) of standard
+        normal q and k is about N(0, 1): 2 to 3 at most over tens of keys), so each takes a
+        good share of its head's weight (sum_j exp(s_j) is about 1.6 per key), except the
+        last head's, 30, which takes nearly all (its outputs are about e^-27 of its values)."""
+        sinks = self.rng.uniform(1.0, 4.0, self.num_q_heads).astype(np.float32)
+        sinks[-1] = 30.0
+        return sinks  # [Hq]
+
 
 @pytest.fixture
 def make_case():

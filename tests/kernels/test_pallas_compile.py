@@ -3,7 +3,8 @@
 Compile-only devices (`jaxserve.aot.targets`, the `aot` extra) let Mosaic compile the TPU
 kernel for v5e and v6e, and Triton + ptxas compile the GPU kernel for H100 and H200, over the
 kernel test grid's shapes: head_dim 64/128/256, page sizes 16-128, 1-8 kv heads, float32 and
-bfloat16, decode and ragged (A100 too, which the presets also name). Each shape compiles on
+bfloat16, decode and ragged (A100 too, which the presets also name), one shape with attention
+sinks. Each shape compiles on
 one TPU generation and one GPU (`CASES` spreads the grid over the targets, so every target and
 every shape is covered at a third of the compile time of the full product). A kernel that
 lowers but that the real compiler rejects (a block shape Mosaic cannot tile, a Triton program
@@ -24,14 +25,14 @@ from sweeps import sweep
 
 TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "a100-80g", 1),
            Target("gpu", "h100", 1), Target("gpu", "h200", 1)]
-# (num_q_heads, num_kv_heads, head_dim, page_size, dtype, soft_cap, sliding_window)
+# (num_q_heads, num_kv_heads, head_dim, page_size, dtype, soft_cap, sliding_window, sinks)
 GRID = [
-    (8, 2, 128, 16, jnp.float32, None, None),
-    (4, 4, 64, 32, jnp.bfloat16, None, None),
-    (8, 1, 256, 64, jnp.float32, None, None),
-    (6, 2, 128, 128, jnp.bfloat16, None, None),
-    (16, 8, 128, 64, jnp.bfloat16, None, None),
-    (8, 2, 64, 16, jnp.float32, 4.0, 21),
+    (8, 2, 128, 16, jnp.float32, None, None, False),
+    (4, 4, 64, 32, jnp.bfloat16, None, None, False),
+    (8, 1, 256, 64, jnp.float32, None, None, False),
+    (6, 2, 128, 128, jnp.bfloat16, None, None, False),
+    (16, 8, 128, 64, jnp.bfloat16, None, None, False),
+    (8, 2, 64, 16, jnp.float32, 4.0, 21, True),  # on v6e and H200
 ]
 NUM_SEQS, PAGES_PER_SEQ, NUM_PAGES, TOKENS = 8, 16, 160, 64
 # every shape on one TPU (v5e or v6e, alternating) and one GPU (A100, H100, H200 in turn)
@@ -46,11 +47,13 @@ def _structs(target, hq, hkv, d, ps, dtype, tokens):
     pages = s((NUM_PAGES, ps, hkv * d), dtype)  # [N, page_size, Hkv * D]
     return dict(q=s((tokens, hq, d), dtype), pages=pages, kv_lens=s((NUM_SEQS,), jnp.int32),
                 table=s((NUM_SEQS, PAGES_PER_SEQ), jnp.int32),
-                cu_q_lens=s((NUM_SEQS + 1,), jnp.int32), num_seqs=s((1,), jnp.int32))
+                cu_q_lens=s((NUM_SEQS + 1,), jnp.int32), num_seqs=s((1,), jnp.int32),
+                sinks=s((hq,), jnp.float32))
 
 
-def _compile(fn, target, *args):
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(target.lowering_platform,))
+def _compile(fn, target, *args, **kwargs):
+    lowered = jax.jit(fn).trace(*args, **kwargs).lower(
+        lowering_platforms=(target.lowering_platform,))
     compiled = lowered.compile()
     text = lowered.as_text()
     assert ("tpu_custom_call" if target.platform == "tpu" else "triton") in text
@@ -65,21 +68,39 @@ def pool_copies(compiled, pools) -> int:
 @pytest.mark.parametrize("target,shape", CASES,
                          ids=[f"{t.accelerator}-{i // 2}" for i, (t, _) in enumerate(CASES)])
 def test_kernels_compile(target, shape):
-    hq, hkv, d, ps, dtype, soft_cap, window = shape
+    hq, hkv, d, ps, dtype, soft_cap, window, sinks = shape
     opts = dict(soft_cap=soft_cap, sliding_window=window)
     a = _structs(target, hq, hkv, d, ps, dtype, NUM_SEQS)
-    decode = _compile(lambda *x: pk.paged_attention(*x, **opts), target,
-                      a["q"], a["pages"], a["pages"], a["kv_lens"], a["table"])
+    sinks = a["sinks"] if sinks else None  # [Hq] float32
+    decode = _compile(lambda *x, sinks: pk.paged_attention(*x, sinks=sinks, **opts), target,
+                      a["q"], a["pages"], a["pages"], a["kv_lens"], a["table"], sinks=sinks)
     # every grid row (kv heads x head_dim) is a multiple of 128: no relayout of the pool
     assert pool_copies(decode, [a["pages"]]) == 0
     # the output buffer is at least [B, Hq, D] (TPU tiling may pad it)
     assert decode.memory_analysis().output_size_in_bytes >= NUM_SEQS * hq * d * jnp.dtype(
         dtype).itemsize
     a = _structs(target, hq, hkv, d, ps, dtype, TOKENS)
-    ragged = _compile(lambda *x: pk.ragged_paged_attention(*x, **opts), target, a["q"],
-                      a["pages"], a["pages"], a["kv_lens"], a["table"], a["cu_q_lens"],
-                      a["num_seqs"])
+    ragged = _compile(lambda *x, sinks: pk.ragged_paged_attention(*x, sinks=sinks, **opts),
+                      target, a["q"], a["pages"], a["pages"], a["kv_lens"], a["table"],
+                      a["cu_q_lens"], a["num_seqs"], sinks=sinks)
     assert pool_copies(ragged, [a["pages"]]) == 0
+
+
+def test_gpu_decode_compiles_with_sinks_in_the_kernel():
+    """A batch that fills the card runs the GPU decode kernel unsplit, which then adds the
+    sinks itself (`gpu_decode`; split-K batches, as test_kernels_compile's, add them in the
+    combine pass): gpt-oss's heads, 64 query heads of 64 on 8 kv heads, batch 64."""
+    target = Target("gpu", "h100", 1)
+    sh = NamedSharding(Mesh(np.array(compile_only_devices(target)), ("x",)), P())
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    pages = s((NUM_PAGES, 16, 8 * 64), jnp.bfloat16)
+    lowered = jax.jit(lambda *x, sinks: pk.paged_attention(*x, sinks=sinks, sliding_window=128)
+                      ).trace(s((64, 64, 64), jnp.bfloat16), pages, pages,
+                              s((64,), jnp.int32), s((64, PAGES_PER_SEQ), jnp.int32),
+                              sinks=s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    lowered.compile()
+    call = next(line for line in lowered.as_text().splitlines() if "gpu.triton" in line)
+    assert "tensor<8x16xf32>" in call  # each kv head's 8 sinks, padded to 16 rows
 
 
 ENGINE_TARGETS = [Target("tpu", "v5e", 1), Target("tpu", "v6e", 1), Target("gpu", "h200", 1)]

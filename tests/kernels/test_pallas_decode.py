@@ -5,6 +5,13 @@
   fails the test. The cache rows past each sequence's kv_len and every page no sequence owns
   hold NaN, so attending to one (on either kernel) shows in the output.
 - kv_len 0, 1, exact page multiples and the table's full length; longer is a ValueError.
+- Attention sinks (gpt-oss) on some cases: added once, after the last block (and after the
+  split-K combine), so a kv_len 0 row still gives zeros.
+
+The reference runs before the kernel it checks: TPU interpret mode (`InterpretParams`) runs
+the kernel through host callbacks that dispatch jax ops of their own, and with the test's next
+ops dispatched while the kernel was in flight the two were seen to wait on each other for good
+on a 2-core machine (the decode sinks case with race detection, 4 runs in 5).
 - The same kv_lens with a 32x wider page table cost about the same (work bounded by each
   sequence's keys, not by the table).
 """
@@ -64,52 +71,58 @@ MODES = [("gpu", True), ("tpu", True), ("tpu", pltpu.InterpretParams(detect_race
 
 
 @pytest.mark.parametrize("backend,interpret", MODES, ids=["gpu", "tpu", "tpu-races"])
-@pytest.mark.parametrize("hq,hkv,d,dtype,window", [
-    (8, 2, 64, np.float32, None), (4, 1, 128, BF16, None), (8, 4, 64, np.float32, 21)])
+@pytest.mark.parametrize("hq,hkv,d,dtype,window,sinks", [
+    (8, 2, 64, np.float32, None, False), (4, 1, 128, BF16, None, False),
+    (8, 4, 64, np.float32, 21, True)])
 def test_decode_never_reads_past_its_pages(make_case, backend, interpret, hq, hkv, d, dtype,
-                                           window):
+                                           window, sinks):
     case, kv_lens, table, clean = poisoned_case(make_case, hq + d, hq=hq, hkv=hkv,
                                                 head_dim=d, dtype=dtype)
     q = case.queries(len(kv_lens))
-    out = pk.paged_attention(q, case.k_pages, case.v_pages, kv_lens, table, backend=backend,
-                             interpret=interpret, sliding_window=window)
+    opts = dict(sliding_window=window, sinks=case.sinks() if sinks else None)
     want = reference.paged_attention(q, denan(case.k_pages),
-                                     denan(case.v_pages), kv_lens, clean,
-                                     sliding_window=window)
+                                     denan(case.v_pages), kv_lens, clean, **opts)
+    out = pk.paged_attention(q, case.k_pages, case.v_pages, kv_lens, table, backend=backend,
+                             interpret=interpret, **opts)
     check(out, want, case)
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # kv_len 0
 
 
-@pytest.mark.parametrize("splits", [2, 5])
-def test_gpu_split_k_matches_reference(make_case, splits):
+@pytest.mark.parametrize("splits,sinks", [(1, True), (2, False), (5, True)])
+def test_gpu_split_k_matches_reference(make_case, splits, sinks):
     """Split-K partials merged by the combine pass, with splits shorter than the context and
-    splits left empty (more splits than a short sequence's pages)."""
+    splits left empty (more splits than a short sequence's pages). Sinks: in the kernel with
+    one split, else in the combine pass, once (not once per split)."""
     case, kv_lens, table, clean = poisoned_case(
         make_case, splits, pages_per_seq=40, kv_lens=(0, 1, 40 * PAGE, 17 * PAGE + 3, 300, 33))
     q = case.queries(len(kv_lens))
+    sinks = case.sinks() if sinks else None
     hkv, d = case.num_kv_heads, case.head_dim
     key_lo, key_hi = batch_rows.decode_key_ranges(kv_lens, None)
     out = gpu_decode.attention(q.reshape(len(kv_lens), hkv, -1, d), case.k_pages,
-                               case.v_pages, table, key_lo, key_hi,
+                               case.v_pages, table, key_lo, key_hi, sinks=sinks,
                                sm_scale=d**-0.5, splits=splits, interpret=True)
     want = reference.paged_attention(q, denan(case.k_pages),
-                                     denan(case.v_pages), kv_lens, clean)
+                                     denan(case.v_pages), kv_lens, clean, sinks=sinks)
     check(out.reshape(q.shape), want, case)
 
 
 @pytest.mark.parametrize("backend,interpret", MODES[:2], ids=["gpu", "tpu"])
 def test_ragged_decode_rows_never_read_past_their_pages(make_case, backend, interpret):
-    """A mixed batch (two chunks, three decode rows, a padding row) over poisoned tables."""
+    """A mixed batch (two chunks, three decode rows, a padding row) over poisoned tables,
+    with attention sinks."""
     case, kv_lens, table, clean = poisoned_case(
         make_case, 11, kv_lens=(20, 1, PAGE, 2 * PAGE + 1, 4 * PAGE, 5))
     q_lens = np.array([20, 1, 1, 9, 1, 0])
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = case.queries(40)
+    sinks = case.sinks()
     args = (q, case.k_pages, case.v_pages, kv_lens, table, cu_q_lens, np.array([5], np.int32))
-    out = pk.ragged_paged_attention(*args, backend=backend, interpret=interpret, q_block=8)
     want = reference.ragged_paged_attention(q, denan(case.k_pages),
                                             denan(case.v_pages), kv_lens, clean,
-                                            *args[5:])
+                                            *args[5:], sinks=sinks)
+    out = pk.ragged_paged_attention(*args, backend=backend, interpret=interpret, q_block=8,
+                                    sinks=sinks)
     check(out, want, case)
 
 
@@ -119,20 +132,22 @@ def test_prefill_prefetch_across_chunks_and_tiles_reads_only_their_pages(make_ca
     chunks, decode rows between them (no keys for the prefill kernel), tiles of 8 tokens
     straddling chunks, an odd tile count (a padding tile), blocks of one page (so chunks
     span several): in TPU interpret mode with race detection over poisoned tables, so a
-    prefetch of the wrong pages, a slot or table-row mix-up or a race fails."""
+    prefetch of the wrong pages, a slot or table-row mix-up or a race fails. With attention
+    sinks, which each tile adds to its rows' softmax when it writes them."""
     case, kv_lens, table, clean = poisoned_case(
         make_case, 12, kv_lens=(3, 2 * PAGE + 5, 1, PAGE, 9, 1, 4 * PAGE))
     q_lens = np.array([3, 5, 1, 2, 9, 1, 12])  # 33 tokens: 5 tiles of 8, one padding tile
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = case.queries(int(cu_q_lens[-1]))
     num_seqs = np.array([7], np.int32)
+    sinks = case.sinks()
+    want = reference.ragged_paged_attention(q, denan(case.k_pages), denan(case.v_pages),
+                                            kv_lens, clean, cu_q_lens, num_seqs, sinks=sinks)
     rows = batch_rows.split_rows(jnp.asarray(cu_q_lens), jnp.asarray(num_seqs))
     out = tpu_prefill.attention(q, case.k_pages, case.v_pages, kv_lens, table, cu_q_lens,
-                                rows.chunk_len, sm_scale=64**-0.5, q_block=8,
+                                rows.chunk_len, sinks=sinks, sm_scale=64**-0.5, q_block=8,
                                 pages_per_block=1,
                                 interpret=pltpu.InterpretParams(detect_races=True))
-    want = reference.ragged_paged_attention(q, denan(case.k_pages), denan(case.v_pages),
-                                            kv_lens, clean, cu_q_lens, num_seqs)
     chunk_rows = np.repeat(q_lens > 1, q_lens)  # [T] rows the prefill kernel answers
     check(np.asarray(out)[chunk_rows], np.asarray(want)[chunk_rows], case)
     assert not np.asarray(out)[~chunk_rows].any()  # decode rows: zeros

@@ -11,19 +11,20 @@ from pallas_kernels import reference
 BF16 = ml_dtypes.bfloat16
 KERNELS = ["tpu", "gpu"]
 
-# (num_q_heads, num_kv_heads, head_dim, page_size, dtype, soft_cap, sliding_window)
+# (num_q_heads, num_kv_heads, head_dim, page_size, dtype, soft_cap, sliding_window, sinks)
 DECODE_GRID = [
-    (8, 2, 128, 16, np.float32, None, None),  # GQA
-    (4, 4, 64, 32, BF16, None, None),  # MHA, bf16
-    (8, 1, 256, 64, np.float32, None, None),  # MQA, head_dim 256
-    (6, 2, 128, 128, BF16, None, None),  # group of 3, largest page
-    (8, 2, 64, 16, np.float32, 4.0, 21),  # soft-cap + sliding window
+    (8, 2, 128, 16, np.float32, None, None, False),  # GQA
+    (4, 4, 64, 32, BF16, None, None, False),  # MHA, bf16
+    (8, 1, 256, 64, np.float32, None, None, False),  # MQA, head_dim 256
+    (6, 2, 128, 128, BF16, None, None, True),  # group of 3, largest page; attention sinks
+    (8, 2, 64, 16, np.float32, 4.0, 21, True),  # soft-cap + sliding window + sinks
 ]
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("hq,hkv,d,ps,dtype,soft_cap,window", DECODE_GRID)
-def test_decode_matches_reference(make_case, backend, hq, hkv, d, ps, dtype, soft_cap, window):
+@pytest.mark.parametrize("hq,hkv,d,ps,dtype,soft_cap,window,sinks", DECODE_GRID)
+def test_decode_matches_reference(make_case, backend, hq, hkv, d, ps, dtype, soft_cap, window,
+                                  sinks):
     pages_per_seq = 3
     case = make_case(hq + d + ps, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
                      num_seqs=6, pages_per_seq=pages_per_seq, dtype=dtype)
@@ -32,7 +33,8 @@ def test_decode_matches_reference(make_case, backend, hq, hkv, d, ps, dtype, sof
     kv_lens = np.array([0, 1, ps, 2 * ps + 1, pages_per_seq * ps, 5], np.int32)
     q = case.queries(6)
     args = (q, case.k_pages, case.v_pages, kv_lens, case.page_indices)
-    opts = dict(soft_cap=soft_cap, sliding_window=window)
+    opts = dict(soft_cap=soft_cap, sliding_window=window,
+                sinks=case.sinks() if sinks else None)
     out = pk.paged_attention(*args, backend=backend, interpret=True, **opts)
     want = reference.paged_attention(*args, **opts)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -60,15 +62,16 @@ def ragged_args(case, q_lens, kv_extra, num_tokens, num_live):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("dtype,window", [(np.float32, None), (BF16, 10)])
-def test_ragged_matches_reference(make_case, backend, dtype, window):
+@pytest.mark.parametrize("dtype,window,sinks", [(np.float32, None, True), (BF16, 10, False)])
+def test_ragged_matches_reference(make_case, backend, dtype, window, sinks):
     case = make_case(4, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
                      num_seqs=5, pages_per_seq=4, dtype=dtype)
     # prefill chunk spanning q blocks, decode token, chunk after a prefix,
     # empty query, padding sequence; 4 padding tokens at the end.
     args = ragged_args(case, q_lens=[19, 1, 6, 0, 3], kv_extra=[0, 40, 27, 5, 2],
                        num_tokens=33, num_live=4)
-    opts = dict(sliding_window=window, soft_cap=None if window else 3.0)
+    opts = dict(sliding_window=window, soft_cap=None if window else 3.0,
+                sinks=case.sinks() if sinks else None)
     out = pk.ragged_paged_attention(*args, backend=backend, interpret=True, q_block=8, **opts)
     want = reference.ragged_paged_attention(*args, **opts)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),

@@ -85,6 +85,24 @@ def test_a_page_size_that_is_not_whole_rows_raises():
         pk.paged_attention(q, kv[:, :8, :64], kv[:, :8, :64], kv_lens, table, page_size=16)
 
 
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_sinks_must_be_one_float_per_query_head(backend):
+    """sinks: one float per query head of q (4 here); per kv head, per token or of integers is a
+    ValueError naming sinks, from the kernels and the reference alike."""
+    q, kv, _, kv_lens, table = good_args()
+    ragged = (jnp.array([0, 1, 2], jnp.int32), jnp.array([2], jnp.int32))
+    for sinks in (jnp.zeros((2,), jnp.float32), jnp.zeros((4, 1), jnp.float32),
+                  jnp.zeros((4,), jnp.int32)):
+        with pytest.raises(ValueError, match=r"sinks must be a float array \[num_q_heads\]"):
+            pk.paged_attention(q, kv, kv, kv_lens, table, sinks=sinks, backend=backend)
+        with pytest.raises(ValueError, match=r"sinks must be a float array \[num_q_heads\]"):
+            pk.ragged_paged_attention(q, kv, kv, kv_lens, table, *ragged, sinks=sinks,
+                                      backend=backend)
+    out = jax.eval_shape(functools.partial(pk.paged_attention, sinks=jnp.zeros(4, jnp.bfloat16),
+                                           backend=backend), q, kv, kv, kv_lens, table)
+    assert out.shape == q.shape  # any float dtype (taken as float32)
+
+
 def test_invalid_ragged_and_options_raise():
     q, kv, _, kv_lens, table = good_args()
     with pytest.raises(ValueError, match="cu_q_lens must have"):
