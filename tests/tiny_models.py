@@ -110,13 +110,22 @@ ARCHITECTURES = {
             "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
     "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    # gpt-oss: attention sinks, sliding and full layers alternating, YaRN, a router and
+    # experts with biases, gate and up interleaved, the SwiGLU clamped low enough to bite
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+        swiglu_limit=0.5, attn_implementation="eager",
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=32, beta_fast=16.0,
+                             truncate=False))),
 }
 # Routers get weights this much larger than the rest, so that which experts a token picks
 # (and their weights) changes from token to token and changes the output tokens.
 ROUTER_SCALE = 20.0
 # Weights scaled up per architecture so that a feature bites: Gemma 2's query and key
 # projections, so that scores reach its attention cap (tanh is linear near 0).
-WEIGHT_SCALES = {"gemma2": {"q_proj": 6.0, "k_proj": 6.0}}
+# gpt-oss's sinks, so that they take a good share of each softmax.
+WEIGHT_SCALES = {"gemma2": {"q_proj": 6.0, "k_proj": 6.0}, "gpt_oss": {"sinks": 40.0}}
 
 
 def build_tokenizer(folder: Path) -> None:
@@ -135,7 +144,8 @@ def build_tokenizer(folder: Path) -> None:
 
 def is_router(name: str) -> bool:
     """Whether the parameter called `name` is a mixture-of-experts router."""
-    return name.endswith(".gate.weight") and ".experts." not in name
+    return ((name.endswith(".gate.weight") and ".experts." not in name)
+            or name.endswith(".router.weight"))
 
 
 def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **overrides):
@@ -159,7 +169,7 @@ def build_model(name: str, folder: Path, seed: int = 0, num_layers: int = 2, **o
             if is_router(name):
                 param.mul_(ROUTER_SCALE)
             for part, scale in scales.items():
-                if f".{part}." in name:
+                if f".{part}." in name or name.endswith(f".{part}"):
                     param.mul_(scale)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # enough to change the choice

@@ -8,8 +8,9 @@ lives here: the stacked-layer page offsets and the `shard_map` over the "model" 
 device attends its own heads; the kernels never see the mesh). A backend supplies
 - `step_metadata(batch)`: its per-step pytree, built once per step rather than per layer;
 - `attend(...)`: write this step's K/V into the pages and attend, on one device's heads,
-  with the layer's sliding window (`window_of`: layers may differ, as in Gemma) and the
-  model's score cap (`soft_cap`, Gemma 2).
+  with the layer's sliding window (`window_of`: layers may differ, as in Gemma), the
+  model's score cap (`soft_cap`, Gemma 2) and the layer's attention sinks (gpt-oss: a
+  logit per query head that joins the softmax's denominator; the model passes them).
 The decode loop calls `for_step` once per loop step, with one token per row.
 """
 
@@ -76,8 +77,9 @@ class AttentionBackend:
         return None
 
     def attend(self, q, k, v, layer_cache, slots, page_indices, batch: PagedBatch, metadata,
-               window: int | None):
-        """With sliding window `window`, on one device's heads: q `[T, Hq, D]`, k/v
+               sinks, window: int | None):
+        """With sliding window `window` and sinks `[Hq]` float32 (or None), on one device's
+        heads: q `[T, Hq, D]`, k/v
         `[T, Hkv, D]`, layer_cache `(k_pages, v_pages)` `[N, page_size / f, f * Hkv * D]`
         (f tokens a row on TPU, `kv_quant.tokens_per_row`; `page_size` says f), with
         `(k_scales, v_scales)` `[N, Hkv * S]` after them for int8 pages
@@ -122,17 +124,17 @@ class AttentionBackend:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedAttention:
-    """The model's `AttentionFn` for one step: `(layer_index, q, k, v, layer_cache) ->
-    (out, layer_cache)`, tokens a flat ragged batch `[T]`."""
+    """The model's `AttentionFn` for one step: `(layer_index, q, k, v, layer_cache,
+    sinks=None) -> (out, layer_cache)`, tokens a flat ragged batch `[T]`."""
 
     batch: PagedBatch
     metadata: Any
     backend: AttentionBackend = dataclasses.field(metadata=dict(static=True))
 
-    def __call__(self, layer_index, q, k, v, layer_cache):
+    def __call__(self, layer_index, q, k, v, layer_cache, sinks=None):
         if kv_quant.has_head_scales(layer_cache[0].dtype):
-            return self._head_scaled(layer_index, q, k, v, layer_cache)
-        return self._attend(layer_index, q, k, v, layer_cache)
+            return self._head_scaled(layer_index, q, k, v, layer_cache, sinks)
+        return self._attend(layer_index, q, k, v, layer_cache, sinks)
 
     @property
     def real_tokens(self) -> jax.Array:
@@ -148,19 +150,19 @@ class PagedAttention:
         """The backend's experts for mixture-of-experts layers."""
         return self.backend.expert_mixture(x, weights, experts, kernels, expert_parallel)
 
-    def _attend(self, layer_index, q, k, v, layer_cache):
+    def _attend(self, layer_index, q, k, v, layer_cache, sinks=None):
         backend = self.backend
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
         local = functools.partial(backend.attend, window=backend.window_of(layer_index))
         if backend.mesh is not None:
             cache_dims = (2, 2, 1, 1)[:len(layer_cache)]  # pages: heads on 2; scales on 1
-            #            q  k  v  cache       slots, page tables, batch, metadata (replicated)
-            head_dims = (1, 1, 1, cache_dims, None, None, None, None)
+            #            q  k  v  cache       slots, page tables, batch, metadata, sinks
+            head_dims = (1, 1, 1, cache_dims, None, None, None, None, 0)
             local = sharding.shard_over_heads(local, backend.mesh, head_dims, (1, cache_dims))
         return local(q, k, v, tuple(layer_cache), slots, page_indices, self.batch,
-                     self.metadata)  # out [T, Hq, D]
+                     self.metadata, sinks)  # out [T, Hq, D]
 
-    def _head_scaled(self, layer_index, q, k, v, layer_cache):
+    def _head_scaled(self, layer_index, q, k, v, layer_cache, sinks=None):
         """fp8 pages with a scale per kv head (`kv_quant`): calibrated here if not yet, then
         applied around the backend's attention, which sees plain fp8 pages."""
         k_pages, v_pages, k_scales, v_scales = layer_cache
@@ -169,8 +171,8 @@ class PagedAttention:
         k_scale, v_scale = (kv_quant.calibrate(s[layer_index] if stacked else s, x, valid)
                             for s, x in ((k_scales, k), (v_scales, v)))  # [Hkv] each
         out, (k_pages, v_pages) = kv_quant.head_scaled_attention(
-            lambda *qkv: self._attend(layer_index, *qkv, (k_pages, v_pages)), q, k, v, k_scale,
-            v_scale)
+            lambda *qkv: self._attend(layer_index, *qkv, (k_pages, v_pages), sinks), q, k, v,
+            k_scale, v_scale)
         if stacked:
             k_scale = k_scales.at[layer_index].set(k_scale)
             v_scale = v_scales.at[layer_index].set(v_scale)
@@ -203,10 +205,13 @@ def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
             axis = gate_spec[2]
             down_spec = P(None, axis, None)
             gate_scale_spec, down_scale_spec = P(None, axis), P(None, None)
-        specs = ExpertKernels(gate_spec, gate_spec, down_spec, gate_scale_spec,
-                              gate_scale_spec, down_scale_spec)
-        specs = ExpertKernels(*(spec if kernel is not None else None
-                                for spec, kernel in zip(specs, kernels)))
+        per_column = {"gate": gate_spec, "up": gate_spec, "down": down_spec,
+                      "gate_scale": gate_scale_spec, "up_scale": gate_scale_spec,
+                      "down_scale": down_scale_spec, "gate_bias": gate_scale_spec,
+                      "up_bias": gate_scale_spec}
+        specs = dataclasses.replace(kernels, **{
+            name: None if getattr(kernels, name) is None else spec
+            for name, spec in per_column.items()})
         per_device = kernels.num_experts // mesh.shape[axis] if expert_parallel else 0
 
         def body(x, weights, experts, kernels):

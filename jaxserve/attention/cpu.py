@@ -42,7 +42,8 @@ class CpuBackend(AttentionBackend):
                                         self.page_size, window, self.soft_cap)
                      for window in self.distinct_windows)
 
-    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, window):
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, sinks,
+               window):
         layer_cache = _write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
         k_pool, v_pool = (cpu_step.PagePool(pages, scales[i] if scales else None,
@@ -51,7 +52,7 @@ class CpuBackend(AttentionBackend):
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
             k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
         plan = metadata[self.distinct_windows.index(window)]
-        out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, plan)
+        out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, plan, sinks)
         return out, layer_cache
 
 

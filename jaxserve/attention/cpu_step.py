@@ -12,7 +12,9 @@ continuous batching needs far less, so attention here is split by what each row 
 - decode rows (one token after cached context) attend to their pages, a few rows of alike
   length at a time.
 The first two are joined with the log-sum-exp merge of an online softmax. Each part is
-skipped at run time when the step has no rows of its kind.
+skipped at run time when the step has no rows of its kind. Attention sinks (gpt-oss: a
+logit per query head that joins every softmax's denominator and is then dropped) are added
+when the parts are normalized.
 
 Why this shape on CPU (measured on the 60M bench model, 2 cores): XLA's CPU dots are fast in
 a heads-major layout (`[Hkv, G, T, D]`, batch dimension first) — a 512-token causal pass went
@@ -142,12 +144,13 @@ class PagePool:
 
 
 def ragged_attention(q, k_new, v_new, k_pool: PagePool, v_pool: PagePool, page_indices,
-                     plan: StepPlan):
+                     plan: StepPlan, sinks=None):
     """`ragged_paged_attention` for the step `plan` describes, the new tokens' K/V already
     written to the pages; `k_new`, `v_new` `[T, Hkv, D]` are this step's keys and values as
-    the pages hold them. q `[T, Hq, D]` → `[T, Hq, D]`."""
+    the pages hold them; `sinks` `[Hq]` float32 or None. q `[T, Hq, D]` → `[T, Hq, D]`."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
+    group_sinks = None if sinks is None else sinks.reshape(num_kv_heads, -1)  # [Hkv, G]
 
     def chunks():
         queries = q.astype(jnp.float32).reshape(tokens, num_kv_heads, -1, head_dim)
@@ -160,12 +163,13 @@ def ragged_attention(q, k_new, v_new, k_pool: PagePool, v_pool: PagePool, page_i
                                     plan)
 
         parts = jax.lax.fori_loop(0, plan.num_continued, add_context, parts)
-        return _normalize(parts).transpose(2, 0, 1, 3).reshape(q.shape).astype(q.dtype)
+        out = _normalize(parts, None if sinks is None else group_sinks[..., None])
+        return out.transpose(2, 0, 1, 3).reshape(q.shape).astype(q.dtype)
 
     out = jax.lax.cond(plan.has_chunks, chunks, lambda: jnp.zeros_like(q))  # [T, Hq, D]
     decoded = _decode_rows(q[plan.decode_first], k_pool, v_pool,
                            page_indices[plan.decode_order], plan.decode_bias,
-                           plan.decode_row, plan.soft_cap)  # [S, Hq, D], rows by length
+                           plan.decode_row, plan.soft_cap, group_sinks)  # [S, Hq, D]
     target = jnp.where(plan.decode_row, plan.decode_first, tokens)  # out of range: dropped
     return out.at[target].set(decoded, mode="drop")
 
@@ -192,10 +196,20 @@ def _merge(a, b):
             a[2] * scale_a[..., None] + b[2] * scale_b[..., None])
 
 
-def _normalize(parts):
-    """`[Hkv, G, T, D]` attention output; rows that saw no key are zeros."""
-    _, total, acc = parts
-    return jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
+def _normalize(parts, sinks=None):
+    """`[Hkv, G, T, D]` attention output; rows that saw no key are zeros. `sinks`
+    (broadcasting to `[Hkv, G, T]`): each head's sink logit, added to the denominator."""
+    peak, total, acc = parts
+    out = jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
+    return out if sinks is None else out * _sink_share(peak, total, sinks)[..., None]
+
+
+def _sink_share(peak, total, sinks):
+    """The factor `total / (total + exp(sink - peak))` that a sink logit puts on an output
+    normalized by `total` (weights relative to `peak`); 0 where nothing is visible (and the
+    output 0 already)."""
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    return total / jnp.maximum(total + jnp.exp(jnp.minimum(sinks - safe, 80.0)), 1e-30)
 
 
 def _own_tokens(queries, k_new, v_new, own_bias, soft_cap):
@@ -262,8 +276,10 @@ def _context_of(queries, mine, pos, k_pool, v_pool, pages, context_len, sliding_
     return jax.lax.fori_loop(0, turns, one_part, empty)
 
 
-def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active, soft_cap):
-    """One query per row against its cached tokens (itself included).
+def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active, soft_cap,
+                 sinks=None):
+    """One query per row against its cached tokens (itself included), with `sinks`
+    `[Hkv, G]` (or None).
 
     q_rows `[S, Hq, D]`; decode_bias `[S, L]` says which slots each row sees; rows not
     `active` (`[S]`) give zeros. Rows go in blocks of `DECODE_BLOCK_ROWS` through `lax.map`;
@@ -278,7 +294,7 @@ def _decode_rows(q_rows, k_pool, v_pool, page_indices, decode_bias, active, soft
 
     def attend(width, q, pages, bias):  # static width; [b, Hq, D], [b, P], [b, L]
         return row_attention(q, k_pool.rows(pages[:, :width]), v_pool.rows(pages[:, :width]),
-                             bias[:, :width * page_size], soft_cap=soft_cap)
+                             bias[:, :width * page_size], soft_cap=soft_cap, sinks=sinks)
 
     branches = [lambda q, *_: jnp.zeros_like(q)] + [
         functools.partial(attend, width) for width in widths]
@@ -318,11 +334,11 @@ def gather_rows(pages, page_indices):
 
 
 def row_attention(q, keys, values, bias, keys_transposed: bool = False,
-                  soft_cap: float | None = None):
+                  soft_cap: float | None = None, sinks=None):
     """One query per row against that row's keys: q `[B, Hq, D]`, keys and values
     `[B, Hkv, L, D]` (keys `[B, Hkv, D, L]` if `keys_transposed`), bias `[B, L]` (0 where
-    visible, -inf elsewhere), scores capped by `soft_cap` → `[B, Hq, D]`; a row that sees
-    nothing gives zeros.
+    visible, -inf elsewhere), scores capped by `soft_cap`, sink logits `sinks` `[Hkv, G]`
+    (or None) → `[B, Hq, D]`; a row that sees nothing gives zeros.
 
     q·k is one batched matrix-vector product per query head of a group: in XLA's CPU dots
     that reads the keys at memory speed, 1.5x faster than one `[G, D] x [D, L]` product per
@@ -344,4 +360,6 @@ def row_attention(q, keys, values, bias, keys_transposed: bool = False,
     total = weights.sum(-1, keepdims=True)
     out = jnp.einsum("bhgl,bhld->bhgd", weights, values.astype(jnp.float32))
     out = jnp.where(total > 0, out / jnp.maximum(total, 1e-30), 0.0)  # [B, Hkv, G, D]
+    if sinks is not None:
+        out = out * _sink_share(peak, total, sinks[..., None])
     return out.reshape(rows, num_heads, head_dim).astype(q.dtype)

@@ -46,7 +46,9 @@ class DenseAttention:
         return cls(positions, cfg.layer_windows, kv_cache_dtype, head_scales,
                    None if cfg.gemma is None else cfg.gemma.attn_logit_softcap)
 
-    def __call__(self, layer_index, q, k, v, layer_cache):
+    def __call__(self, layer_index, q, k, v, layer_cache, sinks=None):
+        """With `sinks` `[Hq]` float32 (gpt-oss), each head's sink logit joins the softmax's
+        denominator."""
         batch, tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[-2]
         if self.kv_cache_dtype != "auto":
@@ -77,7 +79,14 @@ class DenseAttention:
         if window is not None:
             visible &= query_pos - key_pos < window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        else:  # the softmax over [scores, sink], the sink's column dropped
+            sink = sinks.reshape(num_kv_heads, group)[None, :, :, None]  # [1, Hkv, G, 1]
+            peak = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink[..., None])
+            weights = jnp.exp(scores - peak)  # [B, Hkv, G, T, S]
+            total = weights.sum(-1, keepdims=True) + jnp.exp(sink[..., None] - peak)
+            probs = (weights / total).astype(values.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values,
                          preferred_element_type=jnp.float32)  # [B, T, Hkv, G, D]
         out = out.reshape(batch, tokens, num_heads, head_dim).astype(q.dtype)

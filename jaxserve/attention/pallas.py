@@ -27,11 +27,13 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 class PallasBackend(AttentionBackend):
     name: ClassVar[str] = "pallas"
 
-    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, window):
+    def attend(self, q, k, v, layer_cache, slots, page_indices, batch, metadata, sinks,
+               window):
         layer_cache = kv_quant.write(layer_cache, k, v, slots, self.page_size)
         k_pages, v_pages, *scales = layer_cache
         scaled = dict(zip(("k_scales", "v_scales"), scales),  # int8 pages only
-                      page_size=self.page_size, soft_cap=self.soft_cap, sliding_window=window)
+                      page_size=self.page_size, soft_cap=self.soft_cap, sliding_window=window,
+                      sinks=sinks)
         if batch.decode_only:
             out = pallas_kernels.paged_attention(
                 q, k_pages, v_pages, batch.kv_lens, page_indices, **scaled)  # [S, Hq, D]

@@ -21,7 +21,9 @@ tensor, so per-channel scales do not depend on the sharding, in slabs of output 
 the float32 temporaries stay small) and placed as codes plus scale; a checkpoint that is
 already quantized (compressed-tensors: int8/fp8 `*.weight` with `*.weight_scale`) is placed
 as it is, its scales reshaped to the kernel's output axes. Activation scales it carries
-(`*.input_scale`) are not used: activations are quantized per token when at all.
+(`*.input_scale`) are not used: activations are quantized per token when at all. gpt-oss's
+MXFP4 experts (`*_blocks` with `*_scales`) are dequantized as they load
+(`jaxserve.loading.mxfp4`).
 
 Missing, unexpected or wrongly shaped tensors raise `ValueError` naming the tensor; pickle
 checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused: loading them can run arbitrary code.
@@ -43,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 import sharding
+from jaxserve.loading import mxfp4
 from jaxserve.model.config import ModelConfig
 from jaxserve.model import LlamaModel
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, quantize_on_host,
@@ -108,6 +111,8 @@ def _layer_entries(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple, Callable,
                 ours + ("attn", f"{name}_bias"), lambda w, h=h: w.reshape(h, d), (h * d,))
     if cfg.o_bias:
         entries[hf + "self_attn.o_proj.bias"] = (ours + ("attn", "o_bias"), None, (e,))
+    if cfg.attention_sinks:
+        entries[hf + "self_attn.sinks"] = (ours + ("attn", "sinks"), None, (hq,))
     if cfg.qk_norm:
         entries[hf + "self_attn.q_norm.weight"] = (ours + ("attn", "q_norm", "weight"), None, (d,))
         entries[hf + "self_attn.k_norm.weight"] = (ours + ("attn", "k_norm", "weight"), None, (d,))
@@ -140,9 +145,33 @@ class ExpertSlot(tuple):
     `(path, expert, num_experts)`. The loader gathers a weight's experts, then places it."""
 
 
+class Interleaved(tuple):
+    """The model paths of two weights a checkpoint tensor holds interleaved on its last axis
+    (gpt-oss's `gate_up_proj`: gate in the even columns, up in the odd ones)."""
+
+
+def _gpt_oss_moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
+    """gpt-oss's router (with bias) and stacked experts of layer i, stored `[in, out]` per
+    expert as the model keeps them, gate and up interleaved in one tensor."""
+    e, x, m = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
+    hf, ours = f"model.layers.{i}.mlp.", ("layers", i, "mlp")
+    return {
+        hf + "router.weight": (ours + ("router",), np.transpose, (x, e)),
+        hf + "router.bias": (ours + ("router_bias",), None, (x,)),
+        hf + "experts.gate_up_proj": (Interleaved((ours + ("gate_proj",), ours + ("up_proj",))),
+                                      None, (x, e, 2 * m)),
+        hf + "experts.gate_up_proj_bias": (Interleaved((ours + ("gate_bias",),
+                                                        ours + ("up_bias",))), None, (x, 2 * m)),
+        hf + "experts.down_proj": (ours + ("down_proj",), None, (x, m, e)),
+        hf + "experts.down_proj_bias": (ours + ("down_bias",), None, (x, e)),
+    }
+
+
 def _moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
     """The router and every expert's tensors of layer i; an expert's tensor maps to its
     slot of the stacked `[X, ...]` weight (`ExpertSlot`)."""
+    if cfg.model_type == "gpt_oss":
+        return _gpt_oss_moe_entries(cfg, i)
     e, x, m = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
     prefix, router, gate, up, down = _MOE_NAMES[cfg.model_type]
     hf, ours = f"model.layers.{i}.{prefix}", ("layers", i, "mlp")
@@ -399,6 +428,17 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
     files = safetensors_files(model_dir)
     seen: set[str] = set()
     experts = _ExpertStacks()
+    packed = mxfp4.PackedPairs()  # gpt-oss's MXFP4 experts, dequantized as they load
+
+    def store(path: tuple, array: np.ndarray) -> None:
+        """Place one model weight (quantized first if the model stores it so)."""
+        if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
+            array, scale = quantize_on_host(array, cfg.quantization.method,
+                                            CONTRACTED_AXES[path[-1]])
+            variables[scale_path(path)].set_value(place(scale, scale_path(path)))
+            seen.update(scale_names.get(scale_path(path), ()))
+        variables[path].set_value(place(array, path))
+
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
               disable=not progress) as bar:
         for file in files:
@@ -413,6 +453,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                             variables[path].set_value(place(array, path))
                         seen.add(name)
                     continue
+                if mxfp4.PackedPairs.base_name(name) in expected:
+                    array = packed.add(name, array)
+                    if array is None:
+                        continue
+                    name = mxfp4.PackedPairs.base_name(name)
                 if name not in expected:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some exporters keep the tied copy; the embedding is used
@@ -429,12 +474,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=jnp.float32,
                     bar.update(1)
                     if array is None:
                         continue
-                if quantizes(cfg, path[-1]) and array.dtype not in STORAGE_DTYPES.values():
-                    array, scale = quantize_on_host(array, cfg.quantization.method,
-                                                    CONTRACTED_AXES[path[-1]])
-                    variables[scale_path(path)].set_value(place(scale, scale_path(path)))
-                    seen.update(scale_names.get(scale_path(path), ()))
-                variables[path].set_value(place(array, path))
+                if isinstance(path, Interleaved):
+                    for part, half in zip(path, (array[..., 0::2], array[..., 1::2])):
+                        store(part, np.ascontiguousarray(half))
+                else:
+                    store(path, array)
                 if name not in seen:
                     seen.add(name)
                     bar.update(1)
@@ -476,6 +520,8 @@ def _scale_entries(cfg: ModelConfig, expected: dict) -> dict[str, tuple[tuple, C
     shapes = {path: var.get_value().shape for path, var in nnx.to_flat_state(state)}
     entries = {}
     for name, (path, _, _) in expected.items():
+        if isinstance(path, Interleaved):  # only ever quantized as it loads
+            continue
         slot = path if isinstance(path, ExpertSlot) else None  # one expert's of a stack
         if slot is not None:
             path = slot[0]

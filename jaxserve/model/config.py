@@ -25,11 +25,12 @@ import jax.numpy as jnp
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe",
-                         "gemma2", "gemma3_text")
+                         "gemma2", "gemma3_text", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -106,7 +107,12 @@ class MoEConfig:
     normalized when `normalize_top_k`, times `routed_scaling_factor`. `shared_experts`: that
     many experts' width of a plain SwiGLU every token also runs (0: none).
     `expert_parallel`: whole experts split among the devices of the mesh's "model" axis
-    rather than a slice of every expert on each (the engine's `enable_expert_parallel`)."""
+    rather than a slice of every expert on each (the engine's `enable_expert_parallel`).
+
+    gpt-oss: `biases` adds a bias to the router's logits and to each expert's gate, up and
+    down projections; `activation` "clamped_swiglu" computes `(clip(up, ±limit) + 1) *
+    g * sigmoid(alpha * g)` with `g = min(gate, limit)` (`swiglu_alpha`, `swiglu_limit`)
+    where "silu" is `silu(gate) * up`."""
 
     num_experts: int
     top_k: int
@@ -118,6 +124,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_experts: int = 0
     expert_parallel: bool = False
+    biases: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         _check_positive(self, ("num_experts", "top_k", "intermediate_size", "num_groups",
@@ -128,6 +138,9 @@ class MoEConfig:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got "
                              f"{self.scoring!r}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation must be one of {list(EXPERT_ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
         if self.num_experts % self.num_groups or self.top_k_groups > self.num_groups:
             raise ValueError(f"n_group ({self.num_groups}) must divide the {self.num_experts} "
                              f"experts and be at least topk_group ({self.top_k_groups})")
@@ -166,6 +179,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
     sliding_window: int | None = None  # the window of the layers that slide
     layer_types: tuple[str, ...] = ()  # per layer, LAYER_TYPES; (): all slide if windowed
     local_rope: RopeConfig | None = None  # the sliding layers' rope (None: `rope`)
@@ -338,7 +352,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     attention_bias = bool(hf.get("attention_bias", False))
     # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
     qkv_bias = True if model_type == "qwen2" else attention_bias
-    o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
+    o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe",
+                                              "gpt_oss") else False
     moe, dense_layers = _read_moe(hf) if model_type in MOE_MODEL_TYPES else (None, ())
     sliding_window, layer_types = _read_layer_types(hf, model_type)
     gemma = model_type in GEMMA_MODEL_TYPES
@@ -361,6 +376,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                  or bool(hf.get("use_qk_norm"))),
+        attention_sinks=model_type == "gpt_oss",
         sliding_window=sliding_window,
         layer_types=layer_types,
         local_rope=local_rope,
@@ -381,7 +397,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def _read_layer_types(hf: dict[str, Any], model_type: str
                       ) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types): `layer_types` as transformers 5 writes it, else each
-    family's rule (Mistral: every layer; Gemma 2: every other one from the first; Gemma 3:
+    family's rule (Mistral: every layer; Gemma 2, gpt-oss: every other one from the first;
+    Gemma 3:
     all but every `sliding_window_pattern`-th; Qwen: with `use_sliding_window`, the layers
     from `max_window_layers` on). `()` when the layers are alike (no window, or all slide)."""
     window = hf.get("sliding_window")
@@ -392,7 +409,7 @@ def _read_layer_types(hf: dict[str, Any], model_type: str
     if types is None:
         if model_type in ("mistral", "mixtral"):
             sliding = [True] * num_layers
-        elif model_type == "gemma2":
+        elif model_type in ("gemma2", "gpt_oss"):
             sliding = [i % 2 == 0 for i in range(num_layers)]
         elif model_type == "gemma3_text":
             pattern = int(hf.get("sliding_window_pattern") or 6)
@@ -434,9 +451,10 @@ def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeCo
 
 
 def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
-    """The experts of a qwen3_moe, mixtral or glm4_moe config, and the layers that keep a
-    dense MLP: Qwen3-MoE's `mlp_only_layers` and those `decoder_sparse_step` skips, GLM's
-    first `first_k_dense_replace`."""
+    """The experts of a qwen3_moe, mixtral, glm4_moe or gpt_oss config, and the layers that
+    keep a dense MLP: Qwen3-MoE's `mlp_only_layers` and those `decoder_sparse_step` skips,
+    GLM's first `first_k_dense_replace`. gpt-oss's router takes the softmax of its top k
+    logits, which is the renormalized top k of the softmax."""
     model_type, layers = hf.get("model_type"), range(hf["num_hidden_layers"])
     if model_type == "qwen3_moe":
         step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
@@ -452,6 +470,11 @@ def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
             bool(hf.get("norm_topk_prob", True)), "sigmoid", hf.get("n_group") or 1,
             hf.get("topk_group") or 1, float(hf.get("routed_scaling_factor", 1.0)),
             int(hf.get("n_shared_experts") or 0)), dense
+    if model_type == "gpt_oss":
+        return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
+                         hf.get("intermediate_size"), biases=True, activation="clamped_swiglu",
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(hf.get("swiglu_limit", 7.0))), ()
     return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
                      hf.get("intermediate_size")), ()
 
@@ -463,9 +486,10 @@ def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
     models) with one config group targeting `Linear`, 8-bit symmetric weights per channel or
     per tensor, float (fp8 e4m3) or int; its `ignore` list may name `lm_head` and the
     routers of a mixture of experts (which are never quantized here). The embedding is never
-    quantized in this format. Anything else is a `ValueError` naming the field."""
+    quantized in this format. gpt-oss's MXFP4 experts load dequantized (None here:
+    `jaxserve.loading.mxfp4`). Anything else is a `ValueError` naming the field."""
     qc = hf.get("quantization_config")
-    if not qc:
+    if not qc or (qc.get("quant_method") == "mxfp4" and hf.get("model_type") == "gpt_oss"):
         return None
     field = "quantization_config"
     if qc.get("quant_method") != "compressed-tensors":

@@ -116,13 +116,13 @@ class DenseGenerator:
         positions = jnp.arange(len(prompt))[None]  # [1, T]
         real = jnp.ones(len(prompt), bool)  # [T]
 
-        def attention(layer_index, q, k, v, layer_cache):  # eager: layer_index an int
+        def attention(layer_index, q, k, v, layer_cache, **sinks):  # eager: an int index
             nonlocal scales
             unset = jnp.zeros(cfg.num_kv_heads, jnp.float32)
             fresh = jnp.stack([kv_quant.calibrate(unset, x[0], real) for x in (k, v)])
             scales = scales.at[layer_index].set(fresh)
             return DenseAttention.of_model(cfg, positions, "fp8", scales)(
-                layer_index, q, k, v, layer_cache)
+                layer_index, q, k, v, layer_cache, **sinks)
 
         model = nnx.merge(self.graphdef, self.state)
         model(tokens, positions, self._empty_caches(1, len(prompt)), attention)

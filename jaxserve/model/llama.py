@@ -10,7 +10,9 @@ their own rope, so such a model runs its layers as a loop, not a scan.
 The model knows nothing of KV-cache layout or devices. Attention is delegated to an
 `attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
 (out, layer_cache)`, so the same weights serve the dense reference path and the paged engine
-(with `scan_layers`, `layer_index` is traced and `layer_cache` is every layer's cache).
+(with `scan_layers`, `layer_index` is traced and `layer_cache` is every layer's cache). A
+model with attention sinks (gpt-oss: a learned logit per query head that joins every
+softmax's denominator) also passes `sinks=` `[Hq]` float32.
 Token arrays may have any leading shape (`[B, T]` for the dense path, `[T]` for a flat
 ragged batch).
 
@@ -39,8 +41,8 @@ from jaxserve.model.moe import SparseMoE, expert_counts
 from jaxserve.model.quantization import embedding_rows, project, weight_param
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
 
-# attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache)
-#   -> (out [..., Hq, D], layer_cache)
+# attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache
+#           [, sinks [Hq]]) -> (out [..., Hq, D], layer_cache)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -97,6 +99,8 @@ class Attention(nnx.Module):
             self.k_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
             self.v_bias = _zeros((hkv, d), dtype, ("kv_heads", "head_dim"))
         self.o_bias = _zeros((e,), dtype, ("embed",)) if cfg.o_bias else None
+        self.sinks = (nnx.Param(jnp.zeros((hq,), dtype), logical_axes=("heads",))
+                      if cfg.attention_sinks else None)
         if cfg.qk_norm:
             self.q_norm = norm(cfg, d, dtype, "head_dim")
             self.k_norm = norm(cfg, d, dtype, "head_dim")
@@ -123,7 +127,8 @@ class Attention(nnx.Module):
         q, k = self._rotated(q, positions), self._rotated(k, positions)
         if self.query_scale is not None:
             q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
-        out, layer_cache = attention(layer_index, q, k, v, layer_cache)  # [..., Hq, D]
+        sinks = {} if self.sinks is None else {"sinks": self.sinks[...].astype(jnp.float32)}
+        out, layer_cache = attention(layer_index, q, k, v, layer_cache, **sinks)  # [..., Hq, D]
         # One [Hq * D, E] matmul: as an einsum over (h, d), XLA CPU may transpose the weight
         # (a copy of all of o_proj) in every step to suit the attention output's layout.
         out = out.astype(x.dtype).reshape(*out.shape[:-2], -1)  # [..., Hq * D]

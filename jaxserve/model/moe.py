@@ -1,6 +1,7 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5): a router picks `top_k` of
-`num_experts` SwiGLU experts per token, and each token's output is their weighted sum (plus,
-in GLM-4.5, a shared SwiGLU every token runs).
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss): a router picks
+`top_k` of `num_experts` SwiGLU experts per token, and each token's output is their weighted
+sum (plus, in GLM-4.5, a shared SwiGLU every token runs; gpt-oss biases its router and
+experts and clamps its SwiGLU, `ExpertKernels.glu`).
 
 Routing (`MoEConfig.scoring`): "softmax" takes the softmax's top k; "sigmoid" (GLM-4.5 and
 DeepSeek-V3's MoE) chooses on sigmoid scores plus a per-expert correction bias, among the
@@ -34,7 +35,8 @@ quantized (`quantize_activations` applies to attention and dense MLPs).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,12 +83,16 @@ def route_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, moe: MoE
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-class ExpertKernels(NamedTuple):
-    """The experts' SwiGLU kernels as stored: `gate`, `up` `[X, E, I]` and `down` `[X, I, E]`
-    in the compute dtype, or quantized: int8/fp8 codes with float32 scales `gate_scale`,
-    `up_scale` `[X, I]` and `down_scale` `[X, E]`, one per expert and output channel
-    (None when not quantized). A pytree, so it passes through `shard_map` and
-    `platform_dependent` whole."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertKernels:
+    """The experts' gated MLP as stored: kernels `gate`, `up` `[X, E, I]` and `down`
+    `[X, I, E]` in the compute dtype, or quantized: int8/fp8 codes with float32 scales
+    `gate_scale`, `up_scale` `[X, I]` and `down_scale` `[X, E]`, one per expert and output
+    channel (None when not quantized); gpt-oss's `gate_bias`, `up_bias` `[X, I]` (None:
+    none; the down projection's bias is added outside the mixtures, once per token); and
+    the activation (`MoEConfig.activation`, static). A pytree, so it passes through
+    `shard_map` and `platform_dependent` whole."""
 
     gate: jax.Array
     up: jax.Array
@@ -94,10 +100,23 @@ class ExpertKernels(NamedTuple):
     gate_scale: jax.Array | None = None
     up_scale: jax.Array | None = None
     down_scale: jax.Array | None = None
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
+    swiglu_alpha: float = dataclasses.field(default=1.702, metadata=dict(static=True))
+    swiglu_limit: float = dataclasses.field(default=7.0, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
         return self.gate.shape[0]
+
+    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The gated activation of the gate and up projections' outputs `[..., I]`."""
+        if self.activation == "silu":
+            return jax.nn.silu(gate) * up
+        limit = self.swiglu_limit
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * self.swiglu_alpha)
 
 
 # mixture(x [T, E], weights [T, K], experts [T, K], kernels: ExpertKernels,
@@ -106,26 +125,32 @@ class ExpertKernels(NamedTuple):
 ExpertMixture = Callable[..., jax.Array]
 
 
-def scaled(out: jax.Array, scale: jax.Array | None, owner: jax.Array) -> jax.Array:
+def scaled(out: jax.Array, scale: jax.Array | None, owner: jax.Array,
+           bias: jax.Array | None = None) -> jax.Array:
     """`out` `[N, ..., O]`, computed with the codes of experts `owner` `[N]`, times those
-    experts' scales `scale` `[X, O]` (None: `out` as it is), in out's dtype."""
-    if scale is None:
-        return out
-    per_row = scale[owner].reshape(owner.shape + (1,) * (out.ndim - 2) + scale.shape[-1:])
-    return (out.astype(jnp.float32) * per_row).astype(out.dtype)
+    experts' scales `scale` `[X, O]` (None: `out` as it is), plus their biases `bias`
+    `[X, O]` (None: none), in out's dtype."""
+
+    def per_row(table):
+        return table[owner].reshape(owner.shape + (1,) * (out.ndim - 2) + table.shape[-1:])
+
+    if scale is not None:
+        out = (out.astype(jnp.float32) * per_row(scale)).astype(out.dtype)
+    return out if bias is None else out + per_row(bias).astype(out.dtype)
 
 
-def grouped_swiglu(matmul, rows, group_sizes, kernels: ExpertKernels, row_expert
+def grouped_mlp(matmul, rows, group_sizes, kernels: ExpertKernels, row_expert
                    ) -> jax.Array:
-    """The experts' SwiGLU with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
+    """The experts' gated MLP with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
     group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature) over `rows` `[R, E]`,
-    grouped by expert; `row_expert` `[R]` is each row's expert (for the scales)."""
+    grouped by expert; `row_expert` `[R]` is each row's expert (for scales and biases)."""
 
-    def product(lhs, kernel, scale):
-        return scaled(matmul(lhs, kernel.astype(lhs.dtype), group_sizes), scale, row_expert)
+    def product(lhs, kernel, scale, bias=None):
+        return scaled(matmul(lhs, kernel.astype(lhs.dtype), group_sizes), scale, row_expert,
+                      bias)
 
-    h = (jax.nn.silu(product(rows, kernels.gate, kernels.gate_scale))
-         * product(rows, kernels.up, kernels.up_scale))  # [R, I]
+    h = kernels.glu(product(rows, kernels.gate, kernels.gate_scale, kernels.gate_bias),
+                    product(rows, kernels.up, kernels.up_scale, kernels.up_bias))  # [R, I]
     return product(h, kernels.down, kernels.down_scale)  # [R, E]
 
 
@@ -148,12 +173,12 @@ def mix_experts(matmul, x, weights, experts, kernels: ExpertKernels, first_exper
     `first_expert .. first_expert + X'` (all of them, or one device's share under expert
     parallelism). Each (token, expert) pair of `experts` `[T, K]` held here adds its SwiGLU
     output times its weight (`weights` `[T, K]`); pairs routed to experts held elsewhere add
-    nothing. `matmul` is the grouped matmul (`grouped_swiglu`). → `[T, E]`."""
+    nothing. `matmul` is the grouped matmul (`grouped_mlp`). → `[T, E]`."""
     local = experts - first_expert  # [T, K]
     order, group_sizes, token = grouped_by_expert(local, kernels.num_experts)
     rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
     row_expert = jnp.clip(local.reshape(-1)[order], 0, kernels.num_experts - 1)  # [T*K]
-    out = grouped_swiglu(matmul, rows, group_sizes, kernels, row_expert)  # [T*K, E]
+    out = grouped_mlp(matmul, rows, group_sizes, kernels, row_expert)  # [T*K, E]
     held = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)  # [T*K] rows of some group
     out = jnp.where(held[:, None], out, 0)
     per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
@@ -170,17 +195,18 @@ def expert_counts(experts: jax.Array, num_experts: int, real: jax.Array | None =
     return grouped_by_expert(experts, num_experts)[1]  # (the unused sort compiles away)
 
 
-def _owned_swiglu(spec_in: str, spec_out: str, rows, kernels: ExpertKernels, owner
+def _owned_mlp(spec_in: str, spec_out: str, rows, kernels: ExpertKernels, owner
                   ) -> jax.Array:
-    """The SwiGLU of `rows` `[N, ..., E]`, each leading slice through the experts `owner`
+    """The gated MLP of `rows` `[N, ..., E]`, each leading slice through the experts `owner`
     `[N]`: `spec_in` / `spec_out` the einsums of gate/up and of down over gathered kernels
     `[N, E, I]` / `[N, I, E]`."""
 
-    def product(spec, lhs, kernel, scale):
-        return scaled(jnp.einsum(spec, lhs, kernel[owner].astype(lhs.dtype)), scale, owner)
+    def product(spec, lhs, kernel, scale, bias=None):
+        return scaled(jnp.einsum(spec, lhs, kernel[owner].astype(lhs.dtype)), scale, owner,
+                      bias)
 
-    h = (jax.nn.silu(product(spec_in, rows, kernels.gate, kernels.gate_scale))
-         * product(spec_in, rows, kernels.up, kernels.up_scale))  # [N, ..., I]
+    h = kernels.glu(product(spec_in, rows, kernels.gate, kernels.gate_scale, kernels.gate_bias),
+                    product(spec_in, rows, kernels.up, kernels.up_scale, kernels.up_bias))
     return product(spec_out, h, kernels.down, kernels.down_scale)  # [N, ..., E]
 
 
@@ -190,7 +216,7 @@ def gathered_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
     tokens, k = experts.shape
     chosen = experts.reshape(-1)  # [R] pair order, R = T * K
     rows = jnp.repeat(x, k, axis=0)  # [R, E]
-    out = _owned_swiglu("re,rei->ri", "ri,rie->re", rows, kernels, chosen)  # [R, E]
+    out = _owned_mlp("re,rei->ri", "ri,rie->re", rows, kernels, chosen)  # [R, E]
     out = out.reshape(tokens, k, -1)  # [T, K, E]
     return jnp.sum(out * weights[..., None].astype(x.dtype), axis=1)
 
@@ -216,7 +242,7 @@ def blocked_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
         jnp.take(x, token, axis=0)).reshape(num_blocks, block, hidden)  # [N, B, E]
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks), side="right"),
                         num_experts - 1)  # [N] each block's expert (unused blocks: any)
-    out = _owned_swiglu("nbe,nei->nbi", "nbi,nie->nbe", rows, kernels, owner)  # [N, B, E]
+    out = _owned_mlp("nbe,nei->nbi", "nbi,nie->nbe", rows, kernels, owner)  # [N, B, E]
     out = out.reshape(-1, hidden)  # [N * B, E]
     per_pair = jnp.zeros((pairs, hidden), out.dtype).at[order].set(out[slot])  # pair order
     per_pair = per_pair.reshape(*experts.shape, hidden)  # [T, K, E]
@@ -239,7 +265,9 @@ def default_mixture(x, weights, experts, kernels: ExpertKernels, expert_parallel
 class SparseMoE(nnx.Module):
     """Router `[E, X]` and experts' gate/up `[X, E, I]`, down `[X, I, E]` (quantized: with
     `<name>_scale` `[X, I]` / `[X, E]`); with sigmoid scoring a correction bias `[X]`
-    (float32); with shared experts, `shared` (a dense SwiGLU, `shared_mlp` builds it)."""
+    (float32); with shared experts, `shared` (a dense SwiGLU, `shared_mlp` builds it); with
+    `MoEConfig.biases` (gpt-oss), `router_bias` `[X]`, `gate_bias`, `up_bias` `[X, I]` and
+    `down_bias` `[X, E]`."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, shared_mlp=None):
         moe, e = cfg.moe, cfg.hidden_size
@@ -266,26 +294,43 @@ class SparseMoE(nnx.Module):
         self.shared = (shared_mlp(moe.intermediate_size * moe.shared_experts)
                        if moe.shared_experts else None)
 
+        def bias(shape, axes):
+            return (nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes) if moe.biases
+                    else None)
+
+        self.router_bias = bias((x,), ("experts",))
+        self.gate_bias = bias((x, i), (held, width))
+        self.up_bias = bias((x, i), (held, width))
+        self.down_bias = bias((x, e), (held, "embed"))
+
     def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         """hidden `[..., E]` → (`[..., E]`, each token's chosen experts `[T, K]` int32, T the
         tokens of hidden flattened); `mixture`: the backend's, else `default_mixture`."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         if self.correction_bias is None:
-            weights, experts = route(x @ self.router[...], self.top_k, self.normalize)
+            logits = x @ self.router[...]  # [T, X]
+            if self.router_bias is not None:
+                logits = logits + self.router_bias[...]
+            weights, experts = route(logits, self.top_k, self.normalize)
         else:  # GLM computes its router in float32
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [T, X]
             weights, experts = route_sigmoid(logits, self.correction_bias[...], self.moe)
         mixed = (mixture or default_mixture)(
             x, weights, experts, self.kernels(), expert_parallel=self.moe.expert_parallel)
         # [T, E]
+        if self.down_bias is not None:  # each chosen expert's, by its weight, once a token
+            chosen = self.down_bias[...][experts]  # [T, K, E]
+            mixed = mixed + jnp.sum(chosen * weights[..., None].astype(x.dtype), axis=1)
         if self.shared is not None:
             mixed = mixed + self.shared(x)
         return mixed.reshape(hidden.shape), experts
 
     def kernels(self) -> ExpertKernels:
-        """The experts' kernels (and scales, when quantized) as arrays."""
+        """The experts' kernels (and scales, when quantized; biases, in gpt-oss) as arrays,
+        with the activation."""
         value = lambda param: None if param is None else param[...]  # noqa: E731
         return ExpertKernels(*(value(getattr(self, name)) for name in (
             "gate_proj", "up_proj", "down_proj", "gate_proj_scale", "up_proj_scale",
-            "down_proj_scale")))
+            "down_proj_scale", "gate_bias", "up_bias")), activation=self.moe.activation,
+            swiglu_alpha=self.moe.swiglu_alpha, swiglu_limit=self.moe.swiglu_limit)

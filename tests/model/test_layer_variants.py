@@ -1,5 +1,6 @@
 """Models whose layers differ (Gemma 3: sliding and global layers, two ropes; GLM-4.5: dense
-and mixture-of-experts layers), sharded over
+and mixture-of-experts layers; gpt-oss: sliding and full layers with attention sinks),
+sharded over
 4 devices (8 query heads, 2 kv heads: kv heads repeated): greedy tokens equal transformers'
 for prompts longer than the window, and such a model runs its layers as a loop (asking for
 the scan is refused by name). One device is checked for every family in
@@ -24,16 +25,17 @@ def transformers_tokens(hf_model, prompt):
 
 
 @pytest.mark.slow  # CI's slow step: one device of each runs in hf_parity
-@pytest.mark.parametrize("name", ["gemma3_text", "glm4_moe"])
+@pytest.mark.parametrize("name", ["gemma3_text", "glm4_moe", "gpt_oss"])
 def test_sharded_layer_variants_equal_transformers(name, tmp_path):
     """gemma3_text: sliding and global layers, two ropes, both caps (Gemma 2's and the
     sliding Qwen2's layers run the same sharded code); glm4_moe: a dense layer, then sparse
-    ones with expert parallelism (shared experts tensor-parallel beside them)."""
+    ones with expert parallelism (shared experts tensor-parallel beside them); gpt_oss:
+    each device 2 heads' sinks, and one whole expert with its biases."""
     moe = name == "glm4_moe"  # 8 experts in 2 groups, 2 whole experts on each device
     hf_model = build_model(name, tmp_path, num_layers=3, num_attention_heads=8,
                            num_key_value_heads=2, **(dict(n_routed_experts=8) if moe else {}))
     llm = LLM(str(tmp_path), dtype="float32", progress=False, tensor_parallel_size=4,
-              enable_expert_parallel=moe, **SMALL_ENGINE)
+              enable_expert_parallel=name != "gemma3_text", **SMALL_ENGINE)
     assert not llm.model.scan_layers
     if moe:
         assert llm.model.layers[1].mlp.gate_proj.get_value().sharding.spec[0] == "model"

@@ -95,9 +95,11 @@ def test_sigmoid_router_matches_numpy(normalize):
 def per_token_reference(layer: SparseMoE, x: np.ndarray) -> np.ndarray:
     """The layer by a loop over tokens and their experts, in numpy."""
     router = np.asarray(layer.router[...])
-    kernels = layer.kernels()
+    k = layer.kernels()
     gate, up, down = (np.asarray(w, np.float32) if scale is None else
-                      dequantize(w, scale, (1,)) for w, scale in zip(kernels[:3], kernels[3:]))
+                      dequantize(w, scale, (1,))
+                      for w, scale in ((k.gate, k.gate_scale), (k.up, k.up_scale),
+                                       (k.down, k.down_scale)))
     weights, experts = numpy_route(x @ router, layer.top_k, layer.normalize)
     out = np.zeros_like(x)
     for t in range(len(x)):
