@@ -160,7 +160,7 @@ def unread_expert_bytes(engine, batch: int) -> float:
         return 0.0
     stored = sum(kernel.addressable_shards[0].data.nbytes
                  for _, module in nnx.iter_graph(engine.model) if isinstance(module, SparseMoE)
-                 for kernel in module.kernels() if kernel is not None)
+                 for kernel in jax.tree.leaves(module.kernels()))
     return stored * (1 - moe.top_k / moe.num_experts) ** batch
 
 

@@ -85,14 +85,14 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj, self.q_proj_scale = weight_param(cfg, "q_proj", rngs, (e, hq, d), dtype,
-                                                 ("embed", "heads", "head_dim"))
-        self.k_proj, self.k_proj_scale = weight_param(cfg, "k_proj", rngs, (e, hkv, d), dtype,
-                                                 ("embed", "kv_heads", "head_dim"))
-        self.v_proj, self.v_proj_scale = weight_param(cfg, "v_proj", rngs, (e, hkv, d), dtype,
-                                                 ("embed", "kv_heads", "head_dim"))
-        self.o_proj, self.o_proj_scale = weight_param(cfg, "o_proj", rngs, (hq, d, e), dtype,
-                                                 ("heads", "head_dim", "embed"))
+        self.q_proj, self.q_proj_scale = weight_param(
+            cfg, "q_proj", rngs, (e, hq, d), dtype, ("embed", "heads", "head_dim"))
+        self.k_proj, self.k_proj_scale = weight_param(
+            cfg, "k_proj", rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj, self.v_proj_scale = weight_param(
+            cfg, "v_proj", rngs, (e, hkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj, self.o_proj_scale = weight_param(
+            cfg, "o_proj", rngs, (hq, d, e), dtype, ("heads", "head_dim", "embed"))
         self.quantization = cfg.quantization
         if cfg.qkv_bias:
             self.q_bias = _zeros((hq, d), dtype, ("heads", "head_dim"))
@@ -164,12 +164,12 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
                  intermediate_size: int | None = None):
         e, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj, self.gate_proj_scale = weight_param(cfg, "gate_proj", rngs, (e, i), dtype,
-                                                       ("embed", "mlp"))
-        self.up_proj, self.up_proj_scale = weight_param(cfg, "up_proj", rngs, (e, i), dtype,
-                                                   ("embed", "mlp"))
-        self.down_proj, self.down_proj_scale = weight_param(cfg, "down_proj", rngs, (i, e), dtype,
-                                                       ("mlp", "embed"))
+        self.gate_proj, self.gate_proj_scale = weight_param(
+            cfg, "gate_proj", rngs, (e, i), dtype, ("embed", "mlp"))
+        self.up_proj, self.up_proj_scale = weight_param(
+            cfg, "up_proj", rngs, (e, i), dtype, ("embed", "mlp"))
+        self.down_proj, self.down_proj_scale = weight_param(
+            cfg, "down_proj", rngs, (i, e), dtype, ("mlp", "embed"))
         self.quantization = cfg.quantization
         if cfg.mlp_bias:
             self.gate_bias = _zeros((i,), dtype, ("mlp",))
@@ -265,9 +265,8 @@ class LlamaModel(nnx.Module):
         self.config = cfg
         self.scan_layers = scan_layers
         self.compute_dtype = jnp.dtype(dtype)  # of activations and the KV cache
-        self.embed, self.embed_scale = weight_param(cfg, "embed", rngs,
-                                               (cfg.vocab_size, cfg.hidden_size), dtype,
-                                               ("vocab", "embed"))
+        self.embed, self.embed_scale = weight_param(
+            cfg, "embed", rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
         if scan_layers:
             if not cfg.layers_alike:
                 raise ValueError("scan_layers needs layers that attend alike; this model's "
@@ -278,9 +277,9 @@ class LlamaModel(nnx.Module):
                                     for i in range(cfg.num_layers)])
         self.final_norm = norm(cfg, cfg.hidden_size, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head, self.lm_head_scale = weight_param(cfg, "lm_head", rngs,
-                                                       (cfg.hidden_size, cfg.vocab_size),
-                                                       dtype, ("embed", "vocab"))
+            self.lm_head, self.lm_head_scale = weight_param(
+                cfg, "lm_head", rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
+                ("embed", "vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
                  attention: AttentionFn, lora: LoRABatch | None = None,
