@@ -32,7 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, softmax
+from pallas_kernels.reference import MASK_VALUE
 
 DECODE_BLOCK_ROWS = 4  # decode rows gathered together; their pages stay in cache
 
@@ -200,16 +201,15 @@ def _normalize(parts, sinks=None):
     """`[Hkv, G, T, D]` attention output; rows that saw no key are zeros. `sinks`
     (broadcasting to `[Hkv, G, T]`): each head's sink logit, added to the denominator."""
     peak, total, acc = parts
-    out = jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
-    return out if sinks is None else out * _sink_share(peak, total, sinks)[..., None]
+    return _finish(acc, peak[..., None], total[..., None],
+                   None if sinks is None else sinks[..., None])
 
 
-def _sink_share(peak, total, sinks):
-    """The factor `total / (total + exp(sink - peak))` that a sink logit puts on an output
-    normalized by `total` (weights relative to `peak`); 0 where nothing is visible (and the
-    output 0 already)."""
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    return total / jnp.maximum(total + jnp.exp(jnp.minimum(sinks - safe, 80.0)), 1e-30)
+def _finish(acc, peak, total, sinks):
+    """`acc / total` with the sinks (or None) in the denominator: the kernels'
+    `softmax.normalize`, the peak of a row that saw nothing (-inf here) taken as the
+    kernels' MASK_VALUE."""
+    return softmax.normalize(acc, jnp.maximum(peak, MASK_VALUE), total, sinks)
 
 
 def _own_tokens(queries, k_new, v_new, own_bias, soft_cap):
@@ -359,7 +359,5 @@ def row_attention(q, keys, values, bias, keys_transposed: bool = False,
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
     total = weights.sum(-1, keepdims=True)
     out = jnp.einsum("bhgl,bhld->bhgd", weights, values.astype(jnp.float32))
-    out = jnp.where(total > 0, out / jnp.maximum(total, 1e-30), 0.0)  # [B, Hkv, G, D]
-    if sinks is not None:
-        out = out * _sink_share(peak, total, sinks[..., None])
+    out = _finish(out, peak, total, None if sinks is None else sinks[..., None])
     return out.reshape(rows, num_heads, head_dim).astype(q.dtype)
