@@ -49,7 +49,8 @@ from jaxserve.engine import cache_audit
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
-from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
+from jaxserve.engine.kv_cache import page_bytes, pages_for_memory, window_pool_bytes
+from jaxserve.engine.window_pages import WindowLayout, window_layout
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
 from jaxserve.model.config import resolve_dtype
@@ -223,18 +224,28 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     taken = in_use_bytes or {}
     first_in_use = taken.get(indices[0], 0)  # what the engine sizes its cache from
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
+    window = window_layout(stored, engine, model.scan_layers)
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
-                                     tp, target.platform, draft and draft.config)
+                                     tp, target.platform, draft and draft.config, window)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device{_in_use_note(first_in_use)}: {err}"
         return result
-    kv_bytes = num_pages * (sum(page_bytes(m.config, engine.page_size, cache_dtype, tp,
-                                           target.platform) for m in models) // tp)
+    full_layers = stored.num_layers - (0 if window is None else len(window.layers))
+    kv_bytes = num_pages * ((page_bytes(stored, engine.page_size, cache_dtype, tp,
+                                        target.platform, full_layers)
+                             + (0 if draft is None else page_bytes(
+                                 draft.config, engine.page_size, cache_dtype, tp,
+                                 target.platform))) // tp)
+    kv_bytes += window_pool_bytes(stored, engine, cache_dtype, window, tp, target.platform)
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
-                  max_concurrent_tokens=(num_pages - 1) * engine.page_size)
-    runner = Runner(model, engine, num_pages, replica_mesh, target.platform, draft=draft)
+                  max_concurrent_tokens=(num_pages - 1) * engine.page_size,
+                  **hybrid_memory_report(stored, engine, cache_dtype, hbm,
+                                         first_in_use + weights, tp, target.platform,
+                                         draft and draft.config, window, num_pages))
+    runner = Runner(model, engine, num_pages, replica_mesh, target.platform, draft=draft,
+                    window=window)
     reports = []
     programs = chosen_programs(runner, buckets)
     pools = PagePools.of(runner.caches, stored.num_layers)
@@ -254,6 +265,22 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     result["reason"] = _failure(reports, weights + kv_bytes, hbm, most_in_use)
     result["fits"] = result["reason"] is None
     return result
+
+
+def hybrid_memory_report(model, engine: EngineConfig, dtype, hbm: int, in_use: int, tp: int,
+                         platform: str, draft, window: WindowLayout | None,
+                         num_pages: int) -> dict[str, Any]:
+    """What hybrid KV memory buys (`jaxserve.engine.window_pages`): the window pool's pages
+    and bytes, and the full-length sequences that fit with it and with full-context pages
+    for every layer (`disable_hybrid_kv_cache_manager`)."""
+    if window is None:
+        return {"window_layers": 0, "window_pool_pages": 0, "window_pool_bytes_per_device": 0}
+    flat = pages_for_memory(model, engine, dtype, hbm, in_use, tp, platform, draft)
+    return {"window_layers": len(window.layers), "window_pool_pages": window.num_pages,
+            "window_pool_bytes_per_device": window_pool_bytes(model, engine, dtype, window, tp,
+                                                              platform),
+            "max_seqs_at_max_model_len": (num_pages - 1) // engine.pages_per_seq,
+            "max_seqs_at_max_model_len_without_hybrid": (flat - 1) // engine.pages_per_seq}
 
 
 def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool,

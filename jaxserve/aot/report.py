@@ -11,6 +11,16 @@ def _gib(value: int) -> str:
     return f"{value / GIB:.2f} GiB"
 
 
+def _hybrid_lines(plan: dict[str, Any]) -> list[str]:
+    """The window pool of hybrid KV memory and what it buys, if the plan has one."""
+    if not plan.get("window_layers"):
+        return []
+    return [f"  hybrid KV memory: {plan['window_layers']} window layers in a pool of "
+            f"{plan['window_pool_pages']} pages ({_gib(plan['window_pool_bytes_per_device'])}"
+            f"); full-length sequences that fit: {plan['max_seqs_at_max_model_len']}, "
+            f"{plan['max_seqs_at_max_model_len_without_hybrid']} without it"]
+
+
 def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
     """Header lines (target, memory per device, verdict), then one line per program."""
     lines = [
@@ -24,6 +34,7 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
         f"{plan['num_pages']} pages, "
         f"{plan['max_concurrent_tokens']} tokens), largest temporaries "
         f"{_gib(plan['max_temp_bytes_per_device'])}",
+        *_hybrid_lines(plan),
         f"  programs: {plan['warm_up_programs']} compiled per replica at warm-up, "
         f"{len(plan['programs'])} of them here",
         f"  fits: {'yes' if plan['fits'] else 'NO'}"

@@ -27,6 +27,7 @@ from jaxserve.attention.cpu import CpuBackend
 from jaxserve.attention.pallas import PallasBackend
 from jaxserve.attention.reference import ReferenceBackend
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.window_pages import WindowLayout
 from jaxserve.model.config import ModelConfig
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
@@ -47,14 +48,19 @@ def backend_name(choice: str, platform: str) -> str:
 
 
 def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages: int,
-                 scan_layers: bool, platform: str | None = None) -> AttentionBackend:
+                 scan_layers: bool, platform: str | None = None,
+                 window: WindowLayout | None = None) -> AttentionBackend:
     """The configured backend for a runner on `mesh`. `model` is the config as stored (kv
     heads maybe repeated); `platform`: where the programs will run (default: JAX's default
-    backend)."""
+    backend); `window`: the window pool of hybrid KV memory, if any."""
     platform = platform or jax.default_backend()
     name = backend_name(config.attention_backend, platform)
     soft_cap = None if model.gemma is None else model.gemma.attn_logit_softcap
+    window_layers = () if window is None else window.layers
+    if scan_layers and window is not None:
+        num_pages = window.num_pages  # every layer is in the window pool
     return BACKENDS[name](page_size=config.page_size, windows=model.layer_windows,
                           soft_cap=soft_cap, mesh=mesh,
-                          pages_per_layer=num_pages if scan_layers else None)
+                          pages_per_layer=num_pages if scan_layers else None,
+                          window_layers=window_layers)
 

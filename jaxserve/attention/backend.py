@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
@@ -42,6 +43,10 @@ class PagedBatch:
     # Known when the program is traced: token s is row s's one new token (T = S), as in the
     # decode loop, so a backend may use a decode kernel without looking at cu_q_lens.
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # hybrid KV memory (`jaxserve.engine.window_pages`): the window layers' slots [T] and
+    # page tables [S, P] into their own pool; None without it
+    window_slot_mapping: jax.Array | None = None
+    window_page_indices: jax.Array | None = None
 
 
 def layer_window(windows: tuple[int | None, ...], layer_index) -> int | None:
@@ -61,7 +66,9 @@ class AttentionBackend:
     every layer. `soft_cap`: scores become `soft_cap * tanh(score / soft_cap)` (None: as
     they are). `pages_per_layer`: with stacked layers the cache is one pool of every layer's
     pages, layer l's at `[l * pages_per_layer, (l + 1) * pages_per_layer)`; None: per-layer
-    caches.
+    caches. `window_layers`: the layers whose pages are in the window pool (hybrid KV
+    memory, `jaxserve.engine.window_pages`), addressed by the batch's window tables; with
+    stacked layers, every layer or none.
     """
 
     page_size: int
@@ -69,6 +76,7 @@ class AttentionBackend:
     soft_cap: float | None = None
     mesh: Mesh | None = None
     pages_per_layer: int | None = None
+    window_layers: tuple[int, ...] = ()
     name: ClassVar[str] = ""
 
     # ---- what a backend provides ---------------------------------------------------------
@@ -113,12 +121,18 @@ class AttentionBackend:
 
     def layer_pages(self, layer_index, batch: PagedBatch):
         """Slots `[T]` and page tables `[S, P]` addressing layer `layer_index`'s pages."""
+        slot_mapping, page_indices = batch.slot_mapping, batch.page_indices
+        # a traced index: stacked layers, all in the window pool or none
+        in_window_pool = (layer_index in self.window_layers
+                          if isinstance(layer_index, (int, np.integer))
+                          else bool(self.window_layers))
+        if in_window_pool:
+            slot_mapping, page_indices = batch.window_slot_mapping, batch.window_page_indices
         if self.pages_per_layer is None:
-            return batch.slot_mapping, batch.page_indices
+            return slot_mapping, page_indices
         first_page = layer_index * self.pages_per_layer
-        slots = jnp.where(batch.slot_mapping < 0, -1,
-                          batch.slot_mapping + first_page * self.page_size)
-        return slots, batch.page_indices + first_page
+        slots = jnp.where(slot_mapping < 0, -1, slot_mapping + first_page * self.page_size)
+        return slots, page_indices + first_page
 
 
 @jax.tree_util.register_dataclass

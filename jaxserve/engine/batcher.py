@@ -100,6 +100,10 @@ class StepInput:
     # token 32 i + j); all ones (-1) for a free row; without constrained rows, a read-only
     # all -1 view that the runner does not copy to the device
     allowed: np.ndarray
+    # hybrid KV memory (`jaxserve.engine.window_pages`): the window layers' slots [T] and
+    # page tables [S, P] (0 where a page slid out); None without it
+    window_slot_mapping: np.ndarray | None = None
+    window_page_indices: np.ndarray | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -122,9 +126,11 @@ def bucket_for(ladder: tuple[int, ...], size: int) -> int:
     return ladder[index]
 
 
-def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int) -> StepInput:
+def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int,
+                     window_tables: bool = False) -> StepInput:
     """Pack the scheduled chunks, padded to (token bucket, sequence bucket); `mask_words`:
-    int32 words of a row's token bitmask, ceil(vocabulary / 32)."""
+    int32 words of a row's token bitmask, ceil(vocabulary / 32); `window_tables`: the
+    sequences' window-layer page tables too (hybrid KV memory)."""
     num_seqs = len(out.chunks)
     rows = bucket_for(config.seq_buckets, num_seqs)
     if out.decode_only:
@@ -138,6 +144,8 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
     slots = np.full(tokens, -1, np.int32)
     kv_lens = np.zeros(rows, np.int32)
     page_indices = np.zeros((rows, config.pages_per_seq), np.int32)
+    window_slots = np.full(tokens, -1, np.int32) if window_tables else None
+    window_indices = np.zeros_like(page_indices) if window_tables else None
     cu_q_lens = np.zeros(rows + 1, np.int32)
     max_new = np.zeros(rows, np.int32)
     stop_ids = np.full((rows, MAX_DEVICE_STOP_IDS), -1, np.int32)
@@ -169,6 +177,11 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
         slots[start:start + count] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[i] = first + count
         page_indices[i, :len(pages)] = pages
+        if window_tables:
+            window = np.asarray(seq.window_pages, np.int32)
+            window_slots[start:start + count] = (window[pos // page_size] * page_size
+                                                 + pos % page_size)
+            window_indices[i, :len(window)] = window
         if seq.params.prompt_logprobs is not None:
             prompt = seq.prompt_token_ids
             scored = pos[pos + 1 < len(prompt)]  # positions whose next token is the prompt's
@@ -194,4 +207,5 @@ def build_step_input(out: SchedulerOutput, config: EngineConfig, mask_words: int
         num_seqs=np.asarray([num_seqs], np.int32), logits_indices=logits_indices,
         sampling=SamplingArrays.from_params(params, seeds, rows), max_new=max_new,
         stop_ids=stop_ids, history=history, prompt_lens=prompt_lens,
-        prompt_targets=prompt_targets, lora_slots=lora_slots, allowed=allowed)
+        prompt_targets=prompt_targets, lora_slots=lora_slots, allowed=allowed,
+        window_slot_mapping=window_slots, window_page_indices=window_indices)

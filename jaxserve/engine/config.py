@@ -63,6 +63,9 @@ class EngineConfig:
                                     "requests nobody streams")
     enable_prefix_caching: bool = _option(True, "kv_cache", "reuse the KV pages of a cached "
                                           "prompt prefix")
+    disable_hybrid_kv_cache_manager: bool = _option(
+        False, "kv_cache", "give sliding-window layers full-context pages too, instead of "
+        "a pool of their own that frees the pages slid out of their window")
     strict_compile: bool = _option(False, "compile", "raise instead of compiling after "
                                    "warm-up")
     token_buckets: tuple[int, ...] = _option((), "batching", "tokens-per-step ladder "

@@ -54,6 +54,7 @@ from jaxserve.engine.output_processor import OutputProcessor, StreamDelta, logpr
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.platforms import platform as platform_traits
 from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.window_pages import WindowPages, window_layout
 from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.program_cache import warn_near_mapping_limit
 from jaxserve.engine.replica import InFlight, Replica, on_mesh
@@ -190,22 +191,30 @@ class Engine:
         lora_bytes = slot_stack_bytes(model.config, config.max_loras, config.max_lora_rank,
                                       sharding.replica_meshes(self.mesh)[0],
                                       model.compute_dtype) if config.enable_lora else 0
+        # hybrid KV memory: the window layers' own pool (`window_pages`)
+        self.window = window_layout(model.config, config, model.scan_layers)
         self.num_pages = multihost.agree(choose_num_pages(
             model.config, config, dtype, local[0], config.tensor_parallel_size,
-            None if draft is None else draft.config, reserved_bytes=lora_bytes))
+            None if draft is None else draft.config, reserved_bytes=lora_bytes,
+            window=self.window))
         self.replicas: list[Replica] = []
         for sub_mesh in sharding.replica_meshes(self.mesh):
             allocator = PageAllocator(self.num_pages, config.page_size,
                                       config.enable_prefix_caching)
+            windows = None if self.window is None else WindowPages(
+                self.window, PageAllocator(self.window.num_pages, config.page_size,
+                                           config.enable_prefix_caching))
             replica_model, replica_draft = model, draft
             if config.data_parallel_size > 1:
                 replica_model = on_mesh(model, sub_mesh)
                 replica_draft = None if draft is None else on_mesh(draft, sub_mesh)
             runner = Runner(replica_model, config, self.num_pages, sub_mesh,
-                            executable_store=self.executable_store, draft=replica_draft)
+                            executable_store=self.executable_store, draft=replica_draft,
+                            window=self.window)
             runner.warm_up(progress)
             slots = SlotTable(config.max_loras) if config.enable_lora else None
-            self.replicas.append(Replica(allocator, Scheduler(config, allocator, slots), runner))
+            self.replicas.append(Replica(allocator, Scheduler(config, allocator, slots, windows),
+                                         runner))
         self.runner = self.replicas[0].runner
         runners = [r.runner for r in self.replicas]
         compile_s = sum(r.warm_up_seconds for r in runners)
@@ -464,6 +473,8 @@ class Engine:
                 log.error("the KV cache was lost with the failed step; rebuilding it")
                 replica.runner.reset_caches()
                 replica.allocator.forget_all()
+                if replica.scheduler.windows is not None:
+                    replica.scheduler.windows.allocator.forget_all()
                 replica.scheduler.restart_running()
         except Exception as during:  # noqa: BLE001 - recovery itself failed
             reason = f"could not recover from a failed step ({err!r}): {during!r}"
@@ -483,7 +494,8 @@ class Engine:
             return None
         replica.scheduling = plan  # until it is in flight: whose requests fail if this raises
         self._write_adapters(replica)
-        inp = build_step_input(plan, self.config, replica.runner.mask_words)
+        inp = build_step_input(plan, self.config, replica.runner.mask_words,
+                               self.window is not None)
         started = time.monotonic()
         pending = self._launch(replica.runner, plan, inp)
         single = not plan.decode_only or (plan.num_decode_steps == 1 and not plan.speculative)

@@ -12,6 +12,9 @@ float32 (S = page_size, or on TPU more where a device's row would be narrow:
 `kv_quant.scale_stride`); fp8 pages a float32 scale per kv head, `[num_kv_heads]`. `dtype`
 below is always the pages' dtype.
 
+With hybrid KV memory (`jaxserve.engine.window_pages`) the window layers' caches have the
+window pool's page count instead; the rest of the device's budget goes to the others.
+
 On a mesh the pages and int8 scale pools are split on their kv heads
 (`sharding.kv_cache_sharding`, `kv_scale_sharding`), like the k/v projections that fill
 them; every device holds all pages of its heads, so the page allocator stays one global
@@ -26,6 +29,7 @@ from jax.sharding import Mesh
 
 import sharding
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.window_pages import WindowLayout
 from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import (has_head_scales, has_scales, page_shape, scale_pool_shape,
                                      scale_stride, tokens_per_row)
@@ -34,49 +38,74 @@ CPU_KV_CACHE_BYTES = 1 << 30  # CPUs report no memory limit: cap the cache at 1 
 
 
 def page_bytes(model: ModelConfig, page_size: int, dtype, tensor_parallel_size: int = 1,
-               platform: str | None = None) -> int:
-    """Bytes of one page across all layers, keys and values (and their scales, for int8: a
-    float32 per token and head, each head's run padded on TPU as `kv_quant.scale_stride` says
-    for `tensor_parallel_size` devices; platform default: JAX's default backend)."""
+               platform: str | None = None, num_layers: int | None = None) -> int:
+    """Bytes of one page across `num_layers` layers (default: all), keys and values (and
+    their scales, for int8: a float32 per token and head, each head's run padded on TPU as
+    `kv_quant.scale_stride` says for `tensor_parallel_size` devices; platform default: JAX's
+    default backend)."""
     per_layer = page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
     if has_scales(dtype):
         per_layer += 4 * model.num_kv_heads * scale_stride(
             page_size, model.num_kv_heads, tensor_parallel_size,
             platform or jax.default_backend())
-    return 2 * model.num_layers * per_layer
+    return 2 * (model.num_layers if num_layers is None else num_layers) * per_layer
 
 
 def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
                      device: jax.Device | None = None, tensor_parallel_size: int = 1,
-                     draft: ModelConfig | None = None, reserved_bytes: int = 0) -> int:
+                     draft: ModelConfig | None = None, reserved_bytes: int = 0,
+                     window: WindowLayout | None = None) -> int:
     """`engine.num_pages` if set; else a fraction of the device's free memory (on CPU: enough
     for `max_num_seqs` full-length sequences, at most 1 GiB). `model` is the config as stored
     on the mesh: each device holds 1/tensor_parallel_size of its kv heads. A `draft` model's
     pool has a page for every page of the target's (the same ids): both count.
-    `reserved_bytes`: what the engine will place after the cache (LoRA slots), not free."""
+    `reserved_bytes`: what the engine will place after the cache (LoRA slots), not free.
+    `window`: hybrid KV memory's window pool, placed first (`pages_for_memory`)."""
     device = device or jax.devices()[0]
     stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
     return pages_for_memory(model, engine, dtype, stats.get("bytes_limit"),
                             stats.get("bytes_in_use", 0) + reserved_bytes,
-                            tensor_parallel_size, device.platform, draft)
+                            tensor_parallel_size, device.platform, draft, window)
+
+
+def window_pool_bytes(model: ModelConfig, engine: EngineConfig, dtype,
+                      window: WindowLayout | None, tensor_parallel_size: int = 1,
+                      platform: str | None = None) -> int:
+    """Bytes per device of hybrid KV memory's window pool (0 without one)."""
+    if window is None:
+        return 0
+    return window.num_pages * page_bytes(model, engine.page_size, dtype, tensor_parallel_size,
+                                         platform, len(window.layers)) // tensor_parallel_size
 
 
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
                      bytes_in_use: int, tensor_parallel_size: int = 1,
-                     platform: str | None = None, draft: ModelConfig | None = None) -> int:
+                     platform: str | None = None, draft: ModelConfig | None = None,
+                     window: WindowLayout | None = None) -> int:
     """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
     bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
-    limit. `jaxserve plan` calls this with the numbers of a device that is not attached."""
+    limit. `jaxserve plan` calls this with the numbers of a device that is not attached.
+    With a `window` pool, the pages are the other layers' (and the draft's): the window
+    pool's bytes come out of the budget first. Should no layer need full-context pages, the
+    pool's ids cost nothing and there are enough for every sequence at full length."""
     if engine.num_pages is not None:
         return engine.num_pages
-    one_page = sum(page_bytes(m, engine.page_size, dtype, tensor_parallel_size, platform)
-                   for m in (model, draft) if m is not None) // tensor_parallel_size
-    if bytes_limit is not None:
+    full_layers = model.num_layers - (0 if window is None else len(window.layers))
+    one_page = (page_bytes(model, engine.page_size, dtype, tensor_parallel_size, platform,
+                           full_layers)
+                + (0 if draft is None else page_bytes(draft, engine.page_size, dtype,
+                                                       tensor_parallel_size, platform))
+                ) // tensor_parallel_size
+    wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
+    window_bytes = window_pool_bytes(model, engine, dtype, window, tensor_parallel_size,
+                                     platform)
+    if one_page == 0:
+        pages = wanted
+    elif bytes_limit is not None:
         budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
-        pages = max(budget, 0) // one_page
+        pages = max(budget - window_bytes, 0) // one_page
     else:
-        wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
-        pages = min(wanted, CPU_KV_CACHE_BYTES // one_page)
+        pages = min(wanted, max(CPU_KV_CACHE_BYTES - window_bytes, 0) // one_page)
     if pages < 1 + engine.pages_per_seq:
         raise ValueError(
             f"the KV cache fits only {pages} pages of {engine.page_size} tokens, fewer than one "
@@ -86,7 +115,8 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
 
 
 def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
-                    scan_layers: bool, mesh: Mesh | None = None, platform: str | None = None):
+                    scan_layers: bool, mesh: Mesh | None = None, platform: str | None = None,
+                    window: WindowLayout | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
     `[num_pages, page_size / f, f * Hkv * D]` (f tokens a row, `kv_quant.tokens_per_row`);
     with `scan_layers` one `(k_pages, v_pages)` pair of `[num_layers * num_pages, ...]`,
@@ -96,38 +126,46 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     (None: no shardings); fp8 pages
     their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device.
     `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
-    many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU)."""
-    pages = num_pages * model.num_layers if scan_layers else num_pages
+    many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU).
+    `window`: hybrid KV memory, whose window layers have `window.num_pages` pages (with
+    stacked layers, every layer)."""
     platform = platform or jax.default_backend()
     tp = 1 if mesh is None else sharding.tensor_parallel_size(mesh)
     fold = tokens_per_row(page_size, model.num_kv_heads, model.head_dim, tp, platform)
-    shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim, fold)
 
     def struct(shape, dtype, place):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else place(mesh))
 
-    page = struct(shape, jnp.dtype(dtype), sharding.kv_cache_sharding)
-    layer = (page, page)
-    if has_scales(dtype):
-        stride = scale_stride(page_size, model.num_kv_heads, tp, platform)
-        scales = struct(scale_pool_shape(pages, page_size, model.num_kv_heads, stride),
-                        jnp.float32, sharding.kv_scale_sharding)
-        layer = (page, page, scales, scales)
-    elif has_head_scales(dtype):
-        heads = (model.num_layers,) * scan_layers + (model.num_kv_heads,)
-        scales = struct(heads, jnp.float32, sharding.replicated)
-        layer = (page, page, scales, scales)
-    return layer if scan_layers else [layer for _ in range(model.num_layers)]
+    def layer_cache(pages: int):
+        shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim, fold)
+        page = struct(shape, jnp.dtype(dtype), sharding.kv_cache_sharding)
+        if has_scales(dtype):
+            stride = scale_stride(page_size, model.num_kv_heads, tp, platform)
+            scales = struct(scale_pool_shape(pages, page_size, model.num_kv_heads, stride),
+                            jnp.float32, sharding.kv_scale_sharding)
+            return (page, page, scales, scales)
+        if has_head_scales(dtype):
+            heads = (model.num_layers,) * scan_layers + (model.num_kv_heads,)
+            scales = struct(heads, jnp.float32, sharding.replicated)
+            return (page, page, scales, scales)
+        return (page, page)
+
+    windowed = () if window is None else window.layers
+    if scan_layers:
+        return layer_cache(model.num_layers * (window.num_pages if windowed else num_pages))
+    return [layer_cache(window.num_pages if layer in windowed else num_pages)
+            for layer in range(model.num_layers)]
 
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,
                       mesh: Mesh | None = None, scan_layers: bool = False,
-                      calculate_kv_scales: bool = False, platform: str | None = None):
+                      calculate_kv_scales: bool = False, platform: str | None = None,
+                      window: WindowLayout | None = None):
     """Caches laid out and placed as `cache_structure` says (no mesh: on the default device):
     zeroed pages and scale pools; fp8 scales per kv head 1, or 0 (calibrated by the first step
     that writes real tokens, `kv_quant.calibrate`) with `calculate_kv_scales`."""
     structure = cache_structure(model, num_pages, page_size, dtype, scan_layers, mesh,
-                                platform)
+                                platform, window)
     head_scale = 0.0 if calculate_kv_scales else 1.0
 
     def filled(leaf):

@@ -132,17 +132,36 @@ class PageAllocator:
         for i in range(usable):
             tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
             key = self.key_of(parent, tokens)
-            page = self._page_of_hash.get(key)
-            if page is None or self._content_of_page[page] != (parent, tokens):
+            page = self.cached(key, parent, tokens)
+            if page is None:
                 break
-            if self._refcount[page] == 0:
-                del self._evictable[page]
-            self._refcount[page] += 1
+            self.hold([page])
             pages.append(page)
             hashes.append(key)
             parent = key
         self.prefix_hits += len(pages) * self.page_size
         return pages, hashes
+
+    def unmatch(self, pages: list[int]) -> None:
+        """Give back pages `match_prefix` matched that the caller cannot use after all (the
+        tail of its match): freed, and no longer counted as hits."""
+        self.free(pages)
+        self.prefix_hits -= len(pages) * self.page_size
+
+    def cached(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The cached page keyed `key` if it holds `tokens` after `parent`, else None
+        (nothing referenced)."""
+        page = self._page_of_hash.get(key)
+        if page is None or self._content_of_page[page] != (parent, tokens):
+            return None
+        return page
+
+    def hold(self, pages: list[int]) -> None:
+        """Reference cached pages (`cached`) for a sequence that reuses them."""
+        for page in pages:
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
 
     def register_full_pages(self, token_ids: list[int], pages: list[int],
                             page_hashes: list[bytes], num_computed: int,
@@ -156,7 +175,12 @@ class PageAllocator:
             tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
             key = self.key_of(parent, tokens)
             page_hashes.append(key)
-            if key not in self._page_of_hash and pages[i] not in self._hash_of_page:
-                self._page_of_hash[key] = pages[i]
-                self._hash_of_page[pages[i]] = key
-                self._content_of_page[pages[i]] = (parent, tokens)
+            self.key_page(pages[i], key, parent, tokens)
+
+    def key_page(self, page: int, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+        """Enter a full page in the prefix cache under `key` (unless the key or the page is
+        already there)."""
+        if key not in self._page_of_hash and page not in self._hash_of_page:
+            self._page_of_hash[key] = page
+            self._hash_of_page[page] = key
+            self._content_of_page[page] = (parent, tokens)

@@ -67,6 +67,7 @@ from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
+from jaxserve.engine.window_pages import WindowLayout
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.lora.adapter import LoRAAdapter
@@ -90,14 +91,16 @@ class Runner:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, mesh: Mesh,
                  platform: str | None = None, executable_store: ExecutableStore | None = None,
-                 draft: LlamaModel | None = None):
+                 draft: LlamaModel | None = None, window: WindowLayout | None = None):
         """`model` must already be placed on `mesh` (`jaxserve.loading.weights.shard_model`),
         or be abstract (parameters `jax.ShapeDtypeStruct`s with their shardings, as
         `jaxserve plan` builds it): then the KV cache is abstract too and the programs can
         only be compiled, not run. `platform`: where the programs run (default: JAX's
         default backend; `jaxserve plan` names its target's). `draft`: the draft model of
         `speculative_config` method "draft_model", placed like `model`; its KV cache is a
-        pool of its own with the same page ids, and `caches` is then (target's, draft's)."""
+        pool of its own with the same page ids, and `caches` is then (target's, draft's).
+        `window`: hybrid KV memory's window pool for the target's window layers
+        (`jaxserve.engine.window_pages`); every step then carries their page tables too."""
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
@@ -128,8 +131,9 @@ class Runner:
                                        out_shardings=[a.sharding for a in lora_leaves])
         cache_dtype = page_dtype(config.kv_cache_dtype, model.compute_dtype)
         self.num_pages = num_pages
+        self.window = window
         self.attention = make_backend(config, model.config, mesh, num_pages, model.scan_layers,
-                                      platform)
+                                      platform, window)
         models = [model] if draft is None else [model, draft]
         if draft is not None:
             self.draft_attention = make_backend(config, draft.config, mesh, num_pages,
@@ -138,16 +142,19 @@ class Runner:
         head_state = None if not self.eagle else functools.partial(
             eagle3.State.zeros, max(config.seq_buckets), self.spec_width,
             draft.config.hidden_size, draft.compute_dtype, sharding.replicated(mesh), abstract)
+        windows = [window, None]  # the target's; a draft's pool follows the full-context ids
         if abstract:
             pools = [cache_structure(m.config, num_pages, config.page_size, cache_dtype,
-                                     m.scan_layers, mesh, platform) for m in models]
+                                     m.scan_layers, mesh, platform, w)
+                     for m, w in zip(models, windows)]
             self.caches = (pools[0] if draft is None else
                            (pools[0], (pools[1], head_state())) if self.eagle else
                            tuple(pools))
         else:
             allocators = [functools.partial(
                 allocate_kv_cache, m.config, num_pages, config.page_size, cache_dtype, mesh,
-                m.scan_layers, config.calculate_kv_scales, platform) for m in models]
+                m.scan_layers, config.calculate_kv_scales, platform, w)
+                for m, w in zip(models, windows)]
             self._allocate_caches = (
                 allocators[0] if draft is None else
                 (lambda: (allocators[0](), (allocators[1](), head_state()))) if self.eagle else
@@ -234,7 +241,8 @@ class Runner:
               last_tokens):
         model, inp = self._unpacked(layout, state_leaves, packed, history, allowed)
         batch = PagedBatch(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens,
-                           inp.num_seqs)
+                           inp.num_seqs, window_slot_mapping=inp.window_slot_mapping,
+                           window_page_indices=inp.window_page_indices)
         token_ids = self._token_ids(inp, last_tokens)
         draft = self._draft(state_leaves)
         head = draft[0] if self.eagle else None
@@ -301,10 +309,16 @@ class Runner:
 
         def body(carry):
             step, out, count, done, current, position, counts, caches, joined, load = carry
-            page = inp.page_indices[row, position // page_size]
-            slots = jnp.where(done, -1, page * page_size + position % page_size)
-            batch = PagedBatch(slots, jnp.where(valid, position + 1, 0), inp.page_indices,
-                               cu_q_lens, inp.num_seqs, decode_only=True)
+            def slots_in(page_indices):  # [S] this step's slot of each row's token
+                if page_indices is None:
+                    return None
+                page = page_indices[row, position // page_size]
+                return jnp.where(done, -1, page * page_size + position % page_size)
+
+            batch = PagedBatch(slots_in(inp.page_indices), jnp.where(valid, position + 1, 0),
+                               inp.page_indices, cu_q_lens, inp.num_seqs, decode_only=True,
+                               window_slot_mapping=slots_in(inp.window_page_indices),
+                               window_page_indices=inp.window_page_indices)
             if draft is not None:
                 caches, draft_caches = caches
                 if head is None:
@@ -397,7 +411,10 @@ class Runner:
             max_new=i32(rows), stop_ids=i32(rows, MAX_DEVICE_STOP_IDS),
             history=i32(rows, self.config.max_model_len), prompt_lens=i32(rows),
             prompt_targets=i32(tokens), lora_slots=i32(tokens),
-            allowed=i32(rows, self.mask_words))
+            allowed=i32(rows, self.mask_words),
+            window_slot_mapping=None if self.window is None else i32(tokens),
+            window_page_indices=(None if self.window is None else
+                                 i32(rows, self.config.pages_per_seq)))
 
     def _layout(self, kind: str, tokens: int, rows: int) -> Layout:
         """How a bucket's inputs are packed: the `StepInput` without its history and
@@ -437,6 +454,7 @@ class Runner:
                 "options": {"max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
                             "num_decode_steps": cfg.num_decode_steps, "speculative": spec},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
+                "window_layers": self.attention.window_layers,
                 "arguments": [(a.shape, str(a.dtype), str(a.sharding))
                               for a in jax.tree.leaves(args)]}
 

@@ -25,6 +25,10 @@ reach), and after the step the pages only rejected drafts used are freed.
 With LoRA (`lora_slots`), a sequence with an adapter also needs a device slot for it to be
 admitted (`jaxserve.lora.slots`), which it holds until it finishes or is preempted; one
 whose adapter finds no slot waits, and the requests behind it are admitted meanwhile.
+
+With hybrid KV memory (`windows`, `jaxserve.engine.window_pages`), every reservation also
+extends the sequence's window-layer page table, after freeing what slid out of its window;
+a prefix is reused only as far as its window pages are cached too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import (GRAMMAR_DEAD_END, PENDING, Sequence, Status,
                                       refresh_masks)
+from jaxserve.engine.window_pages import WindowPages
 from jaxserve.lora.slots import SlotTable
 
 
@@ -95,9 +100,10 @@ class Scheduler:
     """Owns the waiting and running queues and every sequence's pages."""
 
     def __init__(self, config: EngineConfig, allocator: PageAllocator,
-                 lora_slots: SlotTable | None = None):
+                 lora_slots: SlotTable | None = None, windows: WindowPages | None = None):
         self.config = config
         self.allocator = allocator
+        self.windows = windows
         self.lora_slots = lora_slots
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -124,6 +130,8 @@ class Scheduler:
         prefix cache: a single step is booked (and its filled pages keyed) when it is
         dispatched, so a key may name a page the failed step never wrote."""
         self.allocator.forget(seq.pages)
+        if self.windows is not None:
+            self.windows.forget(seq)
         self._finish(seq, "error")
 
     def restart_running(self) -> None:
@@ -146,6 +154,8 @@ class Scheduler:
             seq.output_token_ids.pop()  # sampled by a step still on device: dropped
         self.allocator.free(seq.pages)
         seq.pages = []
+        if self.windows is not None:
+            self.windows.release(seq)
         self._release_adapter(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.times.finished = time.monotonic()
@@ -217,8 +227,11 @@ class Scheduler:
         known = min(seq.num_computed_tokens, seq.num_tokens - pending)
         filled = known // self.config.page_size > len(seq.page_hashes)
         if filled and self.allocator.enable_prefix_caching:
+            first = len(seq.page_hashes)
             self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes, known,
                                                seq.cache_salt)
+            if self.windows is not None:
+                self.windows.register(seq, first)
 
     def postprocess(self, plan: SchedulerOutput, sampled: list[list[int]],
                     fed: list[int]) -> list[SequenceUpdate]:
@@ -256,6 +269,8 @@ class Scheduler:
         if len(seq.pages) > keep:
             self.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
+        if self.windows is not None:
+            self.windows.trim(seq, keep)
 
     def stop_early(self, update: SequenceUpdate, keep: int) -> None:
         """A stop string ended `update`'s sequence at its `keep`-th new token: drop the tokens
@@ -316,6 +331,10 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
                 seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids,
                                                                         seq.cache_salt)
+                if self.windows is not None:  # only as far as its window pages are cached
+                    usable = self.windows.match(seq)
+                    self.allocator.unmatch(seq.pages[usable:])
+                    del seq.pages[usable:], seq.page_hashes[usable:]
                 seq.num_computed_tokens = len(seq.pages) * self.config.page_size
                 if not seq.output_token_ids:
                     seq.num_cached_tokens = seq.num_computed_tokens
@@ -368,17 +387,21 @@ class Scheduler:
                      for c, n in zip(out.chunks, wanted))
         if needed > self.allocator.num_free_pages:
             return 1
+        if self.windows is not None and needed > self.windows.allocator.num_free_pages:
+            return 1  # (a bound: pages that slide out as they reserve are not counted)
         for chunk, num_tokens in zip(out.chunks, wanted):
             self._reserve(chunk.seq, num_tokens)
         return steps
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s pages cover `num_tokens` tokens; False (nothing taken) if they can't."""
-        needed = -(-num_tokens // self.config.page_size) - len(seq.pages)
-        if needed <= 0:
-            return True
-        pages = self.allocator.allocate(needed)
+        wanted = -(-num_tokens // self.config.page_size)
+        needed = wanted - len(seq.pages)
+        pages = self.allocator.allocate(needed) if needed > 0 else []
         if pages is None:
+            return False
+        if self.windows is not None and not self.windows.reserve(seq, wanted):
+            self.allocator.free(pages)
             return False
         seq.pages.extend(pages)
         return True
@@ -404,4 +427,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
         seq.pages, seq.page_hashes, seq.num_computed_tokens = [], [], 0
+        if self.windows is not None:
+            self.windows.release(seq)
         self._release_adapter(seq)

@@ -113,6 +113,9 @@ class Sequence:
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages, in order
+    # hybrid KV memory: the window layers' page table (`jaxserve.engine.window_pages`), as
+    # long as `pages`, 0 where a page slid out of the window
+    window_pages: list[int] = dataclasses.field(default_factory=list)
     cache_salt: str | None = None  # prefix-cache isolation: pages shared only with the same salt
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     lora: Any = None  # the adapter it is generated with (`jaxserve.lora.slots.Adapter`)

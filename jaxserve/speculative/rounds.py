@@ -120,7 +120,7 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         q_lens = jnp.where(valid, jnp.sum(window >= 0, axis=1), 0)  # [S] drafts are leading
         at = position[:, None] + col[None, :]  # [S, W]
         ragged = RaggedWindow.of(q_lens, at, ~done[:, None], inp.page_indices, inp.num_seqs,
-                                 page_size)
+                                 page_size, inp.window_page_indices)
         out = model(ragged.flat(jnp.maximum(window, 0), 0), ragged.flat(at, 0), caches,
                     attention.for_step(ragged.batch), aux_layers=aux_layers,
                     count_experts=load is not None)  # [T, E], ...

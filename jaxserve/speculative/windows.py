@@ -42,18 +42,28 @@ class RaggedWindow:
     used: jax.Array  # [S, W] bool, within the row's q_len
 
     @classmethod
-    def of(cls, q_lens, at, writes, page_indices, num_seqs, page_size: int) -> "RaggedWindow":
+    def of(cls, q_lens, at, writes, page_indices, num_seqs, page_size: int,
+           window_page_indices=None) -> "RaggedWindow":
         """`q_lens [S]` tokens a row at positions `at [S, W]` (leading columns), K/V written
-        where `writes [S, W]`."""
+        where `writes [S, W]`; `window_page_indices [S, P]`: the window layers' page tables
+        of hybrid KV memory (None: without it)."""
         rows, width = at.shape
         col = jnp.arange(width)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
         index = cu_q_lens[:-1, None] + col[None, :]  # [S, W]
         used = col[None, :] < q_lens[:, None]
-        slots = page_slots(page_indices, at, page_size, used & writes)
+
+        def flat_slots(tables):  # [S * W] each token's slot through `tables`
+            if tables is None:
+                return None
+            slots = page_slots(tables, at, page_size, used & writes)
+            return _scattered(slots, index, used, rows * width, -1)
+
         kv_lens = jnp.where(q_lens > 0, at[:, 0] + q_lens, 0)
-        batch = PagedBatch(_scattered(slots, index, used, rows * width, -1), kv_lens,
-                           page_indices, cu_q_lens.astype(jnp.int32), num_seqs)
+        batch = PagedBatch(flat_slots(page_indices), kv_lens, page_indices,
+                           cu_q_lens.astype(jnp.int32), num_seqs,
+                           window_slot_mapping=flat_slots(window_page_indices),
+                           window_page_indices=window_page_indices)
         return cls(batch, index, used)
 
     def flat(self, values: jax.Array, fill) -> jax.Array:
