@@ -20,6 +20,7 @@ pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "jaxlib", "flax", "torch")
 PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",
+              "jaxserve.engine.window_pages",
               "jaxserve.engine.sequence", "jaxserve.engine.batcher", "jaxserve.engine.config",
               "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.errors",
               "jaxserve.tool_calling", "jaxserve.lora.slots", "jaxserve.lora.request"]

@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator, root_key
 from jaxserve.engine.sequence import Sequence
-from jaxserve.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the plain-Python core starts no jax (tests/test_layering.py)
+    from jaxserve.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "tpu_configs").glob("*.toml")) + sorted(
     (ROOT / "gpu_configs").glob("*.toml")) + [CPU_PRESET]
 EXPECTED = {"v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-8", "v6e-8-moe", "v5p-8", "v5p-8-moe",
-            "h100-1", "h100-8", "h200-1-gpt-oss", "h100-8-moe", "h200-1", "a100-80g-1", "cpu"}
+            "v6e-8-gemma3", "h100-1", "h100-8", "h200-1-gpt-oss", "h100-8-moe", "h200-1",
+            "a100-80g-1", "cpu"}
 
 
 def test_every_expected_preset_exists():
