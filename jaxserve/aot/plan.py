@@ -224,7 +224,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     taken = in_use_bytes or {}
     first_in_use = taken.get(indices[0], 0)  # what the engine sizes its cache from
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
-    window = window_layout(stored, engine, model.scan_layers)
+    window = window_layout(stored, engine)
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
                                      tp, target.platform, draft and draft.config, window)
@@ -248,7 +248,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                     window=window)
     reports = []
     programs = chosen_programs(runner, buckets)
-    pools = PagePools.of(runner.caches, stored.num_layers)
+    pools = runner.page_pools()
     result["warm_up_programs"] = len(runner.bucket_programs())  # per replica, at serve time
     for kind, tokens, seqs in tqdm(programs, desc=f"Compiling for {target.name}",
                                    unit="program", disable=not progress):

@@ -56,11 +56,10 @@ def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages
     platform = platform or jax.default_backend()
     name = backend_name(config.attention_backend, platform)
     soft_cap = None if model.gemma is None else model.gemma.attn_logit_softcap
-    window_layers = () if window is None else window.layers
-    if scan_layers and window is not None:
-        num_pages = window.num_pages  # every layer is in the window pool
     return BACKENDS[name](page_size=config.page_size, windows=model.layer_windows,
                           soft_cap=soft_cap, mesh=mesh,
                           pages_per_layer=num_pages if scan_layers else None,
-                          window_layers=window_layers)
+                          window_layers=() if window is None else window.layers,
+                          window_pages_per_layer=(window.num_pages if scan_layers and window
+                                                  else None))
 

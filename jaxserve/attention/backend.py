@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
+from jaxserve.model.llama import StackedLayer, layer_position
 from jaxserve.model.moe import ExpertKernels, default_mixture, mix_experts
 from pallas_kernels import kv_quant
 
@@ -50,12 +50,11 @@ class PagedBatch:
 
 
 def layer_window(windows: tuple[int | None, ...], layer_index) -> int | None:
-    """Layer `layer_index`'s window among `windows` (one per layer, or one for all). The
-    index may be traced only when every layer has the same window; models whose windows
-    differ run their layers as a loop, so the index is a Python int."""
+    """Layer `layer_index`'s window among `windows` (one per layer, or one for all); a
+    `StackedLayer` has its stack's."""
     if len(set(windows)) == 1:
         return windows[0]
-    return windows[layer_index]
+    return windows[layer_position(layer_index)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +63,11 @@ class AttentionBackend:
 
     `windows`: each layer's sliding window (None: the whole context); one entry stands for
     every layer. `soft_cap`: scores become `soft_cap * tanh(score / soft_cap)` (None: as
-    they are). `pages_per_layer`: with stacked layers the cache is one pool of every layer's
-    pages, layer l's at `[l * pages_per_layer, (l + 1) * pages_per_layer)`; None: per-layer
-    caches. `window_layers`: the layers whose pages are in the window pool (hybrid KV
-    memory, `jaxserve.engine.window_pages`), addressed by the batch's window tables; with
-    stacked layers, every layer or none.
+    they are). `pages_per_layer`: with stacked layers (`StackedLayer`) each stack's cache
+    is one pool of its layers' pages, group g's at `[g * pages_per_layer, (g + 1) *
+    pages_per_layer)`; None: per-layer caches only. `window_layers`: the layers whose pages
+    are in the window pool (hybrid KV memory, `jaxserve.engine.window_pages`), addressed by
+    the batch's window tables; a stack of them has `window_pages_per_layer` a layer.
     """
 
     page_size: int
@@ -77,6 +76,7 @@ class AttentionBackend:
     mesh: Mesh | None = None
     pages_per_layer: int | None = None
     window_layers: tuple[int, ...] = ()
+    window_pages_per_layer: int | None = None
     name: ClassVar[str] = ""
 
     # ---- what a backend provides ---------------------------------------------------------
@@ -122,15 +122,13 @@ class AttentionBackend:
     def layer_pages(self, layer_index, batch: PagedBatch):
         """Slots `[T]` and page tables `[S, P]` addressing layer `layer_index`'s pages."""
         slot_mapping, page_indices = batch.slot_mapping, batch.page_indices
-        # a traced index: stacked layers, all in the window pool or none
-        in_window_pool = (layer_index in self.window_layers
-                          if isinstance(layer_index, (int, np.integer))
-                          else bool(self.window_layers))
+        in_window_pool = layer_position(layer_index) in self.window_layers
         if in_window_pool:
             slot_mapping, page_indices = batch.window_slot_mapping, batch.window_page_indices
-        if self.pages_per_layer is None:
+        if not isinstance(layer_index, StackedLayer):
             return slot_mapping, page_indices
-        first_page = layer_index * self.pages_per_layer
+        pages = self.window_pages_per_layer if in_window_pool else self.pages_per_layer
+        first_page = layer_index.group * pages
         slots = jnp.where(slot_mapping < 0, -1, slot_mapping + first_page * self.page_size)
         return slots, page_indices + first_page
 
@@ -180,16 +178,17 @@ class PagedAttention:
         """fp8 pages with a scale per kv head (`kv_quant`): calibrated here if not yet, then
         applied around the backend's attention, which sees plain fp8 pages."""
         k_pages, v_pages, k_scales, v_scales = layer_cache
-        stacked = self.backend.pages_per_layer is not None  # scales [num_layers, Hkv]
+        stacked = isinstance(layer_index, StackedLayer)  # scales [groups, Hkv]
+        group = layer_index.group if stacked else None
         valid = self.real_tokens  # [T]
-        k_scale, v_scale = (kv_quant.calibrate(s[layer_index] if stacked else s, x, valid)
+        k_scale, v_scale = (kv_quant.calibrate(s[group] if stacked else s, x, valid)
                             for s, x in ((k_scales, k), (v_scales, v)))  # [Hkv] each
         out, (k_pages, v_pages) = kv_quant.head_scaled_attention(
             lambda *qkv: self._attend(layer_index, *qkv, (k_pages, v_pages), sinks), q, k, v,
             k_scale, v_scale)
         if stacked:
-            k_scale = k_scales.at[layer_index].set(k_scale)
-            v_scale = v_scales.at[layer_index].set(v_scale)
+            k_scale = k_scales.at[group].set(k_scale)
+            v_scale = v_scales.at[group].set(v_scale)
         return out, (k_pages, v_pages, k_scale, v_scale)
 
 

@@ -17,7 +17,7 @@ Not counted as either: XLA:TPU's memory-space assignment staging a whole pool in
 caches, never a deployment's); `staged` reports them.
 
 A pool is recognised by its dtype, its number of pages leading and its element count (so any
-view of it: `[N, ps, Hkv * D]` or `[N, ps, Hkv, D]`); for stacked layers (`[L * N, ...]`)
+view of it: `[N, ps, Hkv * D]` or `[N, ps, Hkv, D]`); for a stack of layers (`[G * N, ...]`)
 one layer's slice counts too.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,24 +43,27 @@ _FUSED = re.compile(r"\bfusion\(.*calls=%([\w.\-]+)")
 @dataclasses.dataclass(frozen=True)
 class PagePools:
     """One device's page pools: the cache's 3-D leaves (`[N, page_size / f, f * Hkv * D]`)
-    and int8 pages' scale pools (2-D leaves as long as them); `layers`: layers sharing each
-    pool (1 per layer, L when stacked)."""
+    and int8 pages' scale pools (2-D leaves as long as them); `layers`: per pool, the
+    layers sharing it (1, or a stack's layers)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    layers: int = 1
+    layers: tuple[int, ...] = ()  # () : 1 each
 
     @classmethod
-    def of(cls, caches, num_layers: int) -> "PagePools":
-        """The pools of a cache pytree (arrays or `ShapeDtypeStruct`s with shardings)."""
-        leaves = jax.tree.leaves(caches)
-        lengths = {leaf.shape[0] for leaf in leaves if leaf.ndim == 3}
-        pools = [leaf for leaf in leaves
-                 if leaf.ndim == 3 or (leaf.ndim == 2 and leaf.shape[0] in lengths)]
-        stacked = sum(leaf.ndim == 3 for leaf in pools) == 2  # one K and one V pool
-        return cls(tuple(tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in pools),
-                   tuple(np.dtype(leaf.dtype).name for leaf in pools),
-                   num_layers if stacked and num_layers > 1 else 1)
+    def of(cls, *parts: tuple[Any, int]) -> "PagePools":
+        """The pools of cache pytrees (arrays or `ShapeDtypeStruct`s with shardings), each
+        part given with the layers each of its pools holds."""
+        shapes, dtypes, layers = [], [], []
+        for caches, count in parts:
+            leaves = jax.tree.leaves(caches)
+            lengths = {leaf.shape[0] for leaf in leaves if leaf.ndim == 3}
+            for leaf in leaves:
+                if leaf.ndim == 3 or (leaf.ndim == 2 and leaf.shape[0] in lengths):
+                    shapes.append(tuple(leaf.sharding.shard_shape(leaf.shape)))
+                    dtypes.append(np.dtype(leaf.dtype).name)
+                    layers.append(count)
+        return cls(tuple(shapes), tuple(dtypes), tuple(layers))
 
     @classmethod
     def exactly(cls, arrays) -> "PagePools":
@@ -71,11 +75,12 @@ class PagePools:
         """(HLO element type, pages, element count) of a whole pool, and of one layer's
         slice: how an array that is (a view of) one is recognised."""
         out = set()
-        for shape, dtype in zip(self.shapes, self.dtypes):
+        for shape, dtype, layers in zip(self.shapes, self.dtypes,
+                                        self.layers or (1,) * len(self.shapes)):
             count = math.prod(shape)
             out.add((_hlo_type(dtype), shape[0], count))
-            if self.layers > 1:
-                out.add((_hlo_type(dtype), shape[0] // self.layers, count // self.layers))
+            if layers > 1:
+                out.add((_hlo_type(dtype), shape[0] // layers, count // layers))
         return out
 
 

@@ -118,16 +118,17 @@ def executable_store_for(config: EngineConfig) -> ExecutableStore | None:
 def scan_layers_for(config: EngineConfig, model: ModelConfig,
                     platform: str | None = None) -> bool:
     """Whether the layers run as a scan over stacked weights: as configured, else on TPU/GPU
-    when the model's layers are alike (Gemma's sliding and global layers, GLM's dense and
-    sparse ones are not: they run as a loop). `platform`: where the programs will run
-    (default: JAX's default backend)."""
-    if config.scan_layers and not model.layers_alike:
+    when the model's layer kinds repeat (`ModelConfig.scannable`: all alike, or periods
+    like Gemma 3's five sliding and one global layer; not GLM's dense then sparse layers,
+    which run as a loop). `platform`: where the programs will run (default: JAX's default
+    backend)."""
+    if config.scan_layers and not model.scannable:
         raise ValueError("scan_layers: this model's layers differ (sliding window, rope, or "
-                         "dense and sparse MLPs), so one stacked layer cannot stand for all "
-                         "of them; leave scan_layers unset or false")
+                         "dense and sparse MLPs) without repeating, so no stack of layers "
+                         "can stand for them; leave scan_layers unset or false")
     if config.scan_layers is not None:
         return config.scan_layers
-    return platform_traits(platform).scan_layers_by_default and model.layers_alike
+    return platform_traits(platform).scan_layers_by_default and model.scannable
 
 
 def engine_mesh(config: EngineConfig) -> Mesh:
@@ -192,7 +193,7 @@ class Engine:
                                       sharding.replica_meshes(self.mesh)[0],
                                       model.compute_dtype) if config.enable_lora else 0
         # hybrid KV memory: the window layers' own pool (`window_pages`)
-        self.window = window_layout(model.config, config, model.scan_layers)
+        self.window = window_layout(model.config, config)
         self.num_pages = multihost.agree(choose_num_pages(
             model.config, config, dtype, local[0], config.tensor_parallel_size,
             None if draft is None else draft.config, reserved_bytes=lora_bytes,

@@ -3,7 +3,7 @@
 the last axis: `pallas_kernels.kv_quant.page_shape`; on TPU, where a device's heads fill less
 than a 128-lane row, f tokens to a row: `[num_pages, page_size / f, f * num_kv_heads *
 head_dim]`, `kv_quant.tokens_per_row`), or with stacked
-layers one pair holding every layer's pages (`cache_structure`), and its sizing.
+layers one pair per stack holding its layers' pages (`cache_structure`), and its sizing.
 
 Pages are stored in the compute dtype, or quantized (`EngineConfig.kv_cache_dtype`, see
 `pallas_kernels.kv_quant`), a layer's cache then being `(k_pages, v_pages, k_scales,
@@ -119,12 +119,14 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
                     window: WindowLayout | None = None):
     """The cache's arrays as `jax.ShapeDtypeStruct`s: per layer `(k_pages, v_pages)` each
     `[num_pages, page_size / f, f * Hkv * D]` (f tokens a row, `kv_quant.tokens_per_row`);
-    with `scan_layers` one `(k_pages, v_pages)` pair of `[num_layers * num_pages, ...]`,
-    layer l's pages at `[l * num_pages, (l + 1) * num_pages)` (the kernels see one big page
-    pool; the attention offsets each layer's page ids). int8 pages add their scale pools
+    with `scan_layers` `(stacks, tail)`: per stack of `G = model.scan_groups` layers
+    (`jaxserve.model.llama.LlamaModel`) one `(k_pages, v_pages)` pair of `[G * num_pages,
+    ...]`, group g's pages at `[g * num_pages, (g + 1) * num_pages)` (the kernels see one
+    big page pool; the attention offsets each layer's page ids), and per layer after the
+    last whole period a cache as unstacked. int8 pages add their scale pools
     `[pages, Hkv * S]` (`kv_quant.scale_stride`), split on kv heads like the pages on `mesh`
     (None: no shardings); fp8 pages
-    their scales per kv head `[Hkv]` (`[num_layers, Hkv]` stacked), on every device.
+    their scales per kv head `[Hkv]` (`[G, Hkv]` stacked), on every device.
     `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
     many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU).
     `window`: hybrid KV memory, whose window layers have `window.num_pages` pages (with
@@ -136,7 +138,10 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     def struct(shape, dtype, place):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else place(mesh))
 
-    def layer_cache(pages: int):
+    def layer_cache(pages: int, layers: int | None = None):
+        """The cache of a stack of `layers` layers (None: one alone), `pages` pages each."""
+        stacked = () if layers is None else (layers,)
+        pages *= layers or 1
         shape = page_shape(pages, page_size, model.num_kv_heads, model.head_dim, fold)
         page = struct(shape, jnp.dtype(dtype), sharding.kv_cache_sharding)
         if has_scales(dtype):
@@ -145,16 +150,22 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
                             jnp.float32, sharding.kv_scale_sharding)
             return (page, page, scales, scales)
         if has_head_scales(dtype):
-            heads = (model.num_layers,) * scan_layers + (model.num_kv_heads,)
+            heads = stacked + (model.num_kv_heads,)
             scales = struct(heads, jnp.float32, sharding.replicated)
             return (page, page, scales, scales)
         return (page, page)
 
     windowed = () if window is None else window.layers
-    if scan_layers:
-        return layer_cache(model.num_layers * (window.num_pages if windowed else num_pages))
-    return [layer_cache(window.num_pages if layer in windowed else num_pages)
-            for layer in range(model.num_layers)]
+
+    def pages_of(layer: int) -> int:
+        return window.num_pages if layer in windowed else num_pages
+
+    if not scan_layers:
+        return [layer_cache(pages_of(layer)) for layer in range(model.num_layers)]
+    period, groups = model.scan_period, model.scan_groups
+    stacks = [layer_cache(pages_of(position), groups) for position in range(period)]
+    return stacks, [layer_cache(pages_of(layer))
+                    for layer in range(period * groups, model.num_layers)]
 
 
 def allocate_kv_cache(model: ModelConfig, num_pages: int, page_size: int, dtype,

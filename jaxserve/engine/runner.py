@@ -499,10 +499,19 @@ class Runner:
         return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
                    for leaf in jax.tree.leaves(self.caches))
 
+    def page_pools(self) -> PagePools:
+        """The KV cache's pools on one device, the target's stacks with their layers."""
+        target = self.caches if self.draft_config is None else self.caches[0]
+        others = [] if self.draft_config is None else [(self.caches[1], 1)]
+        if self.attention.pages_per_layer is None:
+            return PagePools.of((target, 1), *others)
+        stacks, tail = target
+        return PagePools.of((stacks, self.model_config.scan_groups), (tail, 1), *others)
+
     def cache_audits(self) -> dict[tuple[str, int, int], CacheAudit]:
         """`cache_audit.audit` of every program compiled so far, by bucket: whether each
         updates the KV cache in place and touches no whole page pool beyond its write."""
-        pools = PagePools.of(self.caches, self.model_config.num_layers)
+        pools = self.page_pools()
         cache_bytes = self._cache_bytes_per_device()
         return {bucket: audit(compiled, pools, cache_bytes)
                 for bucket, compiled in self._compiled.items()}

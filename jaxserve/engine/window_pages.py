@@ -52,17 +52,17 @@ class WindowLayout:
     num_pages: int  # pages in the window pool, the padding page 0 included
 
 
-def window_layout(model: ModelConfig, engine: EngineConfig,
-                  scan_layers: bool) -> WindowLayout | None:
+def window_layout(model: ModelConfig, engine: EngineConfig) -> WindowLayout | None:
     """The window pool for `model` served as `engine` says, or None: hybrid memory is off
-    (`disable_hybrid_kv_cache_manager`), no layer's window is shorter than `max_model_len`,
-    or stacked layers would need two pools in one stack."""
+    (`disable_hybrid_kv_cache_manager`) or no layer's window is shorter than
+    `max_model_len`. (Stacked layers share their kind, window included: a stack is in the
+    pool whole or not at all.)"""
     if engine.disable_hybrid_kv_cache_manager:
         return None
     windows = model.layer_windows
     layers = tuple(i for i, w in enumerate(windows)
                    if w is not None and w < engine.max_model_len)
-    if not layers or (scan_layers and len(layers) != model.num_layers):
+    if not layers:
         return None
     window = max(windows[i] for i in layers)
     return WindowLayout(layers, window, window_pool_pages(engine, window))

@@ -334,19 +334,24 @@ def stack_layers(model: LlamaModel) -> LlamaModel:
     per_layer = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
     write = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(
         stack, layer, i, 0), donate_argnums=0)
+    period, groups = cfg.scan_period, cfg.scan_groups
     for path, var in stacked.items():
+        if path[0] == "tail":  # layer groups * period + t, as it is
+            var.set_value(per_layer.pop(("layers", groups * period + path[1], *path[2:])))
+            continue
         if path[0] != "layers":
             var.set_value(per_layer.pop(path))
             continue
-        first = per_layer[("layers", 0, *path[1:])]
+        position, rest = path[1], path[2:]  # stack `position`: layers position + g * period
+        first = per_layer[("layers", position, *rest)]
         shape, var_dtype = var.get_value().shape, var.get_value().dtype
         stacked_sharding = sharding.named_sharding(var.get_metadata()["logical_axes"], shape,
                                                    first.sharding.mesh)
         buffer = jax.jit(lambda shape=shape, var_dtype=var_dtype: jnp.zeros(shape, var_dtype),
                          out_shardings=stacked_sharding)()
-        for i in range(cfg.num_layers):
-            layer = per_layer.pop(("layers", i, *path[1:]))
-            buffer = write(buffer, layer, jnp.int32(i))
+        for group in range(groups):
+            layer = per_layer.pop(("layers", group * period + position, *rest))
+            buffer = write(buffer, layer, jnp.int32(group))
             layer.delete()
         var.set_value(buffer)
     return nnx.merge(graphdef, nnx.from_flat_state(stacked))

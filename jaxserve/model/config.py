@@ -228,12 +228,29 @@ class ModelConfig:
             return self.local_rope
         return self.rope
 
+    def _layer_kind(self, layer: int) -> tuple:
+        """What sets a layer's code apart: its window, its rope, a dense or sparse MLP."""
+        return (self.layer_windows[layer], self.layer_rope(layer), self.sparse_layer(layer))
+
     @property
-    def layers_alike(self) -> bool:
-        """Whether every layer is alike (window, rope, dense or sparse MLP), so that one
-        stacked layer can stand for all of them (`scan_layers`)."""
-        return (not self.dense_layers and
-                len({(w, self.layer_rope(i)) for i, w in enumerate(self.layer_windows)}) == 1)
+    def scan_period(self) -> int:
+        """The fewest layers after which the layers' kinds repeat (window, rope, dense or
+        sparse MLP): 1 when every layer is alike, 2 for alternating windows (Gemma 2,
+        gpt-oss), 6 for Gemma 3; `num_layers` when nothing repeats."""
+        kinds = [self._layer_kind(i) for i in range(self.num_layers)]
+        return next(p for p in range(1, self.num_layers + 1)
+                    if kinds[p:] == kinds[:self.num_layers - p])
+
+    @property
+    def scan_groups(self) -> int:
+        """Whole periods in the model: a scan runs this many groups of `scan_period` stacked
+        layers, then the few layers left (fewer than a period) one by one."""
+        return self.num_layers // self.scan_period
+
+    @property
+    def scannable(self) -> bool:
+        """Whether stacking helps: the layers repeat at least twice (or there is one)."""
+        return self.scan_period == 1 or self.scan_groups >= 2
 
     def sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""

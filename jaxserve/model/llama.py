@@ -5,12 +5,13 @@ Gemma (`cfg.gemma`) changes the norms ((1 + w), in float32), adds a norm on the 
 and the MLP's outputs, scales the embeddings and the queries, and may cap the final logits;
 the attention scores' cap and each layer's window belong to the attention backend, which
 reads them from the config. Layers whose rope differs (Gemma 3's sliding layers) each get
-their own rope, so such a model runs its layers as a loop, not a scan.
+their own rope.
 
 The model knows nothing of KV-cache layout or devices. Attention is delegated to an
 `attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
 (out, layer_cache)`, so the same weights serve the dense reference path and the paged engine
-(with `scan_layers`, `layer_index` is traced and `layer_cache` is every layer's cache). A
+(with `scan_layers`, `layer_index` is a `StackedLayer` and `layer_cache` the cache of its
+whole stack). A
 model with attention sinks (gpt-oss: a learned logit per query head that joins every
 softmax's denominator) also passes `sinks=` `[Hq]` float32.
 Token arrays may have any leading shape (`[B, T]` for the dense path, `[T]` for a flat
@@ -28,6 +29,7 @@ int8 or fp8 beside a float32 `<name>_scale` parameter with the kernel's output a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -43,7 +45,30 @@ from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
 
 # attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache
 #           [, sinks [Hq]]) -> (out [..., Hq, D], layer_cache)
-AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+AttentionFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """The layer a scanned model runs (`scan_layers`): the layers are stacked by their
+    position in the period their kinds repeat with (`ModelConfig.scan_period`), so layer
+    `group * period + position` is entry `group` (traced) of stack `position` (static,
+    which says its window, rope and pages)."""
+
+    group: jax.Array  # [] int32
+    position: int = dataclasses.field(metadata=dict(static=True))
+    period: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def index(self) -> jax.Array:
+        """The layer's index in the model (traced)."""
+        return self.group * self.period + self.position
+
+
+def layer_position(layer_index) -> int:
+    """The static index that says a layer's kind: its own (a Python int) or its stack's."""
+    return layer_index.position if isinstance(layer_index, StackedLayer) else layer_index
 
 
 def random_param(rngs: nnx.Rngs, shape, dtype, axes, scale: float = 0.02) -> nnx.Param:
@@ -233,13 +258,14 @@ class DecoderLayer(nnx.Module):
         return x + out, layer_cache, routed
 
 
-def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
-    """One `DecoderLayer` whose parameters hold all layers on a leading "layers" axis."""
+def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs, position: int = 0) -> DecoderLayer:
+    """One `DecoderLayer` of layer `position`'s kind whose parameters hold the
+    `cfg.scan_groups` layers at that position of each period on a leading "layers" axis."""
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+    @nnx.split_rngs(splits=cfg.scan_groups)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.scan_groups)
     def make(layer_rngs):
-        return DecoderLayer(cfg, dtype, layer_rngs)
+        return DecoderLayer(cfg, dtype, layer_rngs, position)
 
     layers = make(rngs)
     for _, var in nnx.to_flat_state(nnx.state(layers)):
@@ -253,11 +279,15 @@ class LlamaModel(nnx.Module):
     Two layouts of the decoder layers, the same arithmetic:
     - `scan_layers=False`: a list of layers, run by a Python loop; the KV cache is a list of
       per-layer caches, and attention is called with the layer's own cache.
-    - `scan_layers=True`: one layer of stacked parameters (`[L, ...]`), run by `lax.scan`, so
-      a program holds one copy of the layer and compiles in the same time at any depth (80
-      layers of a 70B model compile like 1). The cache is carried through the scan whole and
-      attention is called with the traced layer index and the whole cache, which it addresses
-      (`jaxserve.attention.paged`: one page pool of all layers).
+    - `scan_layers=True`: layers stacked by kind, run by `lax.scan`, so a program holds one
+      copy of each kind and compiles in about the same time at any depth (80 layers of a 70B
+      model compile like 1). The layers' kinds repeat every `cfg.scan_period` layers (1 when
+      all are alike; Gemma 3: 6), so `layers` holds that many stacks of `cfg.scan_groups`
+      layers (`[G, ...]`), one scan step running one of each; the few layers past the last
+      whole period (`tail`) run after it one by one. The cache is `(stacks, tail)`: per stack
+      one page pool of all its layers, carried through the scan whole; attention is called
+      with a `StackedLayer` and its stack's pool, which it addresses
+      (`jaxserve.attention.backend`); `tail` as in the loop.
     """
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
@@ -268,13 +298,18 @@ class LlamaModel(nnx.Module):
         self.embed, self.embed_scale = weight_param(
             cfg, "embed", rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"))
         if scan_layers:
-            if not cfg.layers_alike:
-                raise ValueError("scan_layers needs layers that attend alike; this model's "
-                                 "layers differ in their window or rope (run the loop)")
-            self.layers = stacked_layers(cfg, dtype, rngs)
+            if not cfg.scannable:
+                raise ValueError("scan_layers needs layers whose kinds (window, rope, dense or "
+                                 "sparse MLP) repeat; this model's do not (run the loop)")
+            self.layers = nnx.List([stacked_layers(cfg, dtype, rngs, position)
+                                    for position in range(cfg.scan_period)])
+            first_tail = cfg.scan_groups * cfg.scan_period
         else:
             self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i)
                                     for i in range(cfg.num_layers)])
+            first_tail = cfg.num_layers
+        self.tail = nnx.List([DecoderLayer(cfg, dtype, rngs, i)
+                              for i in range(first_tail, cfg.num_layers)])
         self.final_norm = norm(cfg, cfg.hidden_size, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head, self.lm_head_scale = weight_param(
@@ -286,7 +321,7 @@ class LlamaModel(nnx.Module):
                  aux_layers: tuple[int, ...] = (), count_experts: bool = False):
         """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
 
-        `kv_cache`: a list of per-layer caches, or with `scan_layers` the whole cache.
+        `kv_cache`: a list of per-layer caches, or with `scan_layers` `(stacks, tail)`.
         `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot.
         `aux_layers`: also return the inputs of these layers side by side `[..., n * E]`
         (what an EAGLE-3 head reads).
@@ -303,35 +338,61 @@ class LlamaModel(nnx.Module):
         count = lambda routed: expert_counts(routed, moe.num_experts, real)  # noqa: E731
         load = None if moe is None else jnp.zeros((self.config.num_layers, moe.num_experts),
                                                   jnp.int32)  # [L, X]
-        if self.scan_layers:
-            graphdef, stacked = nnx.split(self.layers)
+        aux = [jnp.zeros_like(x) for _ in aux_layers]
 
-            def one_layer(carry, per_layer):
-                x, cache, aux, load = carry
-                index, params, lora_stacks = per_layer
-                aux = tuple(jnp.where(index == at, x, kept) for at, kept in zip(aux_layers, aux))
-                layer_lora = None if lora is None else lora.with_stacks(lora_stacks)
-                x, cache, routed = nnx.merge(graphdef, params)(index, x, positions, attention,
-                                                               cache, layer_lora)
-                if load is not None and routed is not None:
-                    load = load.at[index].set(count(routed))
-                return (x, cache, aux, load), None
-
-            indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            per_layer = (indices, stacked, None if lora is None else lora.stacks)
-            aux = tuple(jnp.zeros_like(x) for _ in aux_layers)
-            (x, kv_cache, aux, load), _ = jax.lax.scan(one_layer, (x, kv_cache, aux, load),
-                                                       per_layer)
-            return self._outputs(x, kv_cache, aux, load)
-        new_caches, aux = [], [None] * len(aux_layers)
-        for index, layer in enumerate(self.layers):
-            aux = [x if index == at else kept for at, kept in zip(aux_layers, aux)]
-            x, cache, routed = layer(index, x, positions, attention, kv_cache[index],
-                                     None if lora is None else lora.layer(index))
+        def run(layer, index, x, cache, aux, load, layer_lora):
+            """One layer: its input kept if an aux layer, its expert load counted."""
+            if isinstance(index, StackedLayer):
+                flat = index.index  # traced
+                aux = [jnp.where(flat == at, x, kept) for at, kept in zip(aux_layers, aux)]
+            else:
+                flat = index
+                aux = [x if flat == at else kept for at, kept in zip(aux_layers, aux)]
+            x, cache, routed = layer(index, x, positions, attention, cache, layer_lora)
             if load is not None and routed is not None:
-                load = load.at[index].set(count(routed))
+                load = load.at[flat].set(count(routed))
+            return x, cache, aux, load
+
+        if self.scan_layers:
+            stacks, tail_caches = kv_cache
+            x, stacks, aux, load = self._scan(run, x, stacks, aux, load, lora)
+        else:
+            tail_caches, stacks = kv_cache, None
+        first_tail = self.config.num_layers - len(self.tail)
+        layers = self.tail if self.scan_layers else self.layers
+        new_caches = []
+        for offset, layer in enumerate(layers):
+            index = offset + (first_tail if self.scan_layers else 0)
+            x, cache, aux, load = run(layer, index, x, tail_caches[offset], aux, load,
+                                      None if lora is None else lora.layer(index))
             new_caches.append(cache)
-        return self._outputs(x, new_caches, aux, load)
+        kv_cache = (stacks, new_caches) if self.scan_layers else new_caches
+        return self._outputs(x, kv_cache, aux, load)
+
+    def _scan(self, run, x, stacks, aux, load, lora):
+        """The stacked layers: one scan step per group, running one layer of each stack."""
+        graphdef, params = nnx.split(self.layers)
+        period, groups = self.config.scan_period, self.config.scan_groups
+        # the adapters' [L, S, ...] stacks as [G, period, S, ...], a group per scan step
+        lora_stacks = None if lora is None else jax.tree.map(
+            lambda w: w[:groups * period].reshape(groups, period, *w.shape[1:]), lora.stacks)
+
+        def one_group(carry, per_group):
+            x, stacks, aux, load = carry
+            group, params, group_lora = per_group
+            stacks = list(stacks)
+            for position, layer in enumerate(nnx.merge(graphdef, params)):
+                layer_lora = None if lora is None else lora.with_stacks(
+                    jax.tree.map(lambda w: w[position], group_lora))
+                x, stacks[position], aux, load = run(
+                    layer, StackedLayer(group, position, period), x, stacks[position], aux,
+                    load, layer_lora)
+            return (x, stacks, aux, load), None
+
+        groups_index = jnp.arange(groups, dtype=jnp.int32)
+        (x, stacks, aux, load), _ = jax.lax.scan(
+            one_group, (x, list(stacks), aux, load), (groups_index, params, lora_stacks))
+        return x, stacks, aux, load
 
     def _outputs(self, x, kv_cache, aux, load):
         """(final hidden states, cache), then the layer inputs asked for when there are

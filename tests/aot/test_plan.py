@@ -214,7 +214,7 @@ def test_the_copy_check_counts_page_pools_and_int8_scale_pools():
     pages = jax.ShapeDtypeStruct((4096, 64, 128), jnp.int8, sharding=sh)
     scales = jax.ShapeDtypeStruct((4096, 64), jnp.float32, sharding=sh)  # 1 head, unpadded
     head_scales = jax.ShapeDtypeStruct((2, 64), jnp.float32, sharding=sh)
-    pools = PagePools.of([(pages, pages, scales, scales), (head_scales,)], num_layers=1)
+    pools = PagePools.of(([(pages, pages, scales, scales), (head_scales,)], 1))
     assert set(pools.shapes) == {(4096, 64, 128), (4096, 64)} and len(pools.shapes) == 4
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, dtype in
             (((8, 4, 128), jnp.bfloat16), ((8,), jnp.int32), ((8, 16), jnp.int32))]

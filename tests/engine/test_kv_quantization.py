@@ -149,7 +149,7 @@ def test_calibrated_fp8_scales_come_from_the_first_prompt(folder, scan_layers, t
         tokens += [list(o.outputs[0].token_ids) for o in outputs]
         caches = llm.engine.replicas[0].runner.caches
         for i, (k_scale, v_scale) in enumerate(want_scales):
-            got = ([np.asarray(x[i]) for x in caches[2:]] if scan_layers
+            got = ([np.asarray(x[i]) for x in caches[0][0][2:]] if scan_layers  # one stack
                    else [np.asarray(x) for x in caches[i][2:]])
             np.testing.assert_allclose(got[0], k_scale, rtol=1e-5)
             np.testing.assert_allclose(got[1], v_scale, rtol=1e-5)

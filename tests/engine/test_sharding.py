@@ -145,9 +145,10 @@ def test_stacked_layers_shard_and_match_the_layer_loop(tmp_path):
     llm, *result = generate(tmp_path, tensor_parallel_size=4, data_parallel_size=2,
                             scan_layers=True)
     assert_same(result, (tokens, logprobs))
-    q_proj = llm.model.layers.attn.q_proj.get_value()  # [L, E, Hq, D]
+    q_proj = llm.model.layers[0].attn.q_proj.get_value()  # [L, E, Hq, D]
     assert q_proj.shape[0] == 2 and spec(q_proj) == (None, None, "model", None)
     for replica in llm.engine.replicas:
-        k_pages, v_pages = replica.runner.caches  # [L * N, page_size, Hkv * D]
+        [(k_pages, v_pages)], tail = replica.runner.caches  # [L * N, page_size, Hkv * D]
+        assert tail == []
         assert k_pages.shape[0] == 2 * llm.engine.num_pages
         assert spec(k_pages) == (None, None, "model") and v_pages.shape == k_pages.shape

@@ -43,15 +43,12 @@ def test_window_pool_holds_every_sequences_window_and_a_step_ahead():
 
 def test_window_layers_are_those_shorter_than_max_model_len():
     config = EngineConfig(max_model_len=128, page_size=16)
-    assert window_layout(model_config(), config, scan_layers=False) == WindowLayout(
+    assert window_layout(model_config(), config) == WindowLayout(
         (0, 2), WINDOW, window_pool_pages(config, WINDOW))
     # a window the context never outgrows frees nothing
-    assert window_layout(model_config(window=128), config, scan_layers=False) is None
+    assert window_layout(model_config(window=128), config) is None
     assert window_layout(model_config(), EngineConfig(
-        max_model_len=128, disable_hybrid_kv_cache_manager=True), scan_layers=False) is None
-    # stacked layers share one pool: only when every layer slides
-    every = model_config(layer_types=("sliding_attention",) * 3)
-    assert window_layout(every, config, scan_layers=True).layers == (0, 1, 2)
+        max_model_len=128, disable_hybrid_kv_cache_manager=True)) is None
 
 
 def scheduler(budget=16, window_pages=12, caching=False):
@@ -140,7 +137,7 @@ def test_the_window_pool_is_sized_first_and_the_rest_goes_to_full_context_pages(
     assert page_bytes(model, 16, jnp.float32) == 4 * layer_page
     config = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=4,
                           max_num_batched_tokens=64, kv_cache_memory_fraction=0.5)
-    window = window_layout(model, config, scan_layers=False)
+    window = window_layout(model, config)
     assert window.num_pages == 1 + 4 * 4 + 4  # ceil(19 / 16) + 2 a sequence, 64 tokens ahead
     budget = (10 - 2) * 2**20 // 2  # half of what 10 MiB leave after 2 MiB of weights
     hybrid = pages_for_memory(model, config, jnp.float32, 10 * 2**20, 2 * 2**20,

@@ -102,25 +102,29 @@ def test_unsupported_settings_name_the_setting(change, message):
 
 def test_each_family_says_which_layers_slide():
     """Without `layer_types` (transformers 4.x files), each family's own rule, counted by
-    hand; with it, as written. Layers that differ cannot share one scanned layer."""
+    hand; with it, as written. Layers stack by the period their kinds repeat with, if
+    they repeat at all (`scan_period`, `scan_groups`)."""
     def windows(**hf):
         return config_from_hf({**BASE, "num_hidden_layers": 6, "sliding_window": 8, **hf})
 
     gemma2 = windows(model_type="gemma2")
-    assert gemma2.layer_windows == (8, None, 8, None, 8, None) and not gemma2.layers_alike
+    assert gemma2.layer_windows == (8, None, 8, None, 8, None)
+    assert (gemma2.scan_period, gemma2.scan_groups) == (2, 3)
     assert gemma2.tie_word_embeddings and gemma2.gemma.query_pre_attn_scalar == 16  # head_dim
     gemma3 = windows(model_type="gemma3_text", sliding_window_pattern=3, rope_theta=1e6,
                      rope_local_base_freq=1e4)
     assert gemma3.layer_windows == (8, 8, None, 8, 8, None)
+    assert (gemma3.scan_period, gemma3.scan_groups) == (3, 2) and gemma3.scannable
     assert (gemma3.layer_rope(0).theta, gemma3.layer_rope(2).theta) == (1e4, 1e6)
     # transformers' Gemma 3 never applies an attention cap, whatever its config says
     assert windows(model_type="gemma3_text", attn_logit_softcapping=50.0
                    ).gemma.attn_logit_softcap is None
     qwen2 = windows(model_type="qwen2", use_sliding_window=True, max_window_layers=4)
     assert qwen2.layer_windows == (None,) * 4 + (8, 8)
+    assert qwen2.scan_period == 6 and not qwen2.scannable  # the kinds never repeat
     assert windows(model_type="qwen2").layer_windows == (None,) * 6  # use_sliding_window off
     mistral = windows(model_type="mistral")
-    assert mistral.layer_windows == (8,) * 6 and mistral.layers_alike
+    assert mistral.layer_windows == (8,) * 6 and mistral.scan_period == 1
     assert windows(model_type="mistral", sliding_window=None).layer_windows == (None,) * 6
     written = windows(layer_types=["full_attention"] * 5 + ["sliding_attention"])
     assert written.layer_windows == (None,) * 5 + (8,)

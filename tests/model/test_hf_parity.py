@@ -92,17 +92,24 @@ def test_bfloat16_mostly_agrees_with_float32(tmp_path):
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in greedy_bf16)
 
 
-@pytest.mark.parametrize("name", sweep(["llama", "mistral", "qwen3"], keep={2}))
+@pytest.mark.parametrize("name", sweep(["llama", "mistral", "qwen3", "gemma3_text", "gpt_oss"],
+                                      keep={2, 3}))
 def test_stacked_layers_match_transformers(name, tmp_path):
     """`scan_layers=True` (the TPU/GPU default: one `lax.scan` over stacked weights, one
-    page pool for all layers, the Pallas kernels in interpret mode here) gives transformers'
+    page pool per stack, the Pallas kernels in interpret mode here) gives transformers'
     greedy tokens, with biases, a sliding window and q/k norm. head_dim 64: the kernels'.
-    (qwen3 in the main suite; llama and mistral in the slow step.)"""
-    hf_model = build_model(name, tmp_path, head_dim=64, num_layers=3)
+    Gemma 3 and gpt-oss alternate sliding and full layers: 5 layers stack as 2 groups of a
+    period of 2, and the fifth runs alone; their sliding stacks keep their pages in the
+    window pool. (qwen3 and gemma3_text in the main suite; the others in the slow step.)"""
+    periodic = name in ("gemma3_text", "gpt_oss")
+    hf_model = build_model(name, tmp_path, head_dim=64, num_layers=5 if periodic else 3)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
               **SMALL_ENGINE)
     assert llm.model.scan_layers
-    assert llm.model.layers.attn.q_proj.get_value().shape[0] == 3  # [L, E, Hq, D]
+    stacks = [layer.attn.q_proj.get_value().shape[0] for layer in llm.model.layers]
+    assert (stacks, len(llm.model.tail)) == (([2, 2], 1) if periodic else ([3], 0))
+    if name != "llama":  # every layer of Mistral slides, one in two of the periodic ones
+        assert llm.engine.window.layers == ((0, 2, 4) if periodic else (0, 1, 2))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs):

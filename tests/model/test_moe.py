@@ -176,7 +176,7 @@ def test_dense_layers_among_sparse_ones():
     assert config_from_hf({**base, "decoder_sparse_step": 2}).dense_layers == (0, 2, 4)
     glm = config_from_hf({**base, "model_type": "glm4_moe", "n_routed_experts": 4,
                           "first_k_dense_replace": 2})
-    assert glm.dense_layers == (0, 1) and not glm.layers_alike
+    assert glm.dense_layers == (0, 1) and not glm.scannable  # nothing repeats
     assert [glm.sparse_layer(i) for i in range(6)] == [False, False] + [True] * 4
 
 
@@ -203,7 +203,7 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
                            num_attention_heads=4, num_key_value_heads=4)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
               tensor_parallel_size=4, enable_expert_parallel=expert_parallel, **SMALL_ENGINE)
-    gate = llm.model.layers.mlp.gate_proj.get_value()  # [L, X, E, I]
+    gate = llm.model.layers[0].mlp.gate_proj.get_value()  # [L, X, E, I]
     spec = tuple(gate.sharding.spec) + (None,) * 4
     assert spec[:4] == ((None, "model", None, None) if expert_parallel else
                         (None, None, None, "model"))
@@ -244,7 +244,7 @@ def test_quantized_experts_on_the_grid_give_transformers_tokens(name, method, ex
     llm = LLM(str(tmp_path), dtype="float32", quantization=method, progress=False,
               scan_layers=True, tensor_parallel_size=4, enable_expert_parallel=expert_parallel,
               **SMALL_ENGINE)
-    experts = llm.model.layers.mlp
+    experts = llm.model.layers[0].mlp  # the one stack
     assert experts.gate_proj.get_value().dtype.itemsize == 1
     layers, x, _, i = experts.gate_proj.get_value().shape
     assert experts.gate_proj_scale.get_value().shape == (layers, x, i)
