@@ -19,6 +19,11 @@ The mixture-of-experts variant serves a Qwen3-30B-A3B-shaped model in int8 (it f
 80 GB GPU that way) at the first two batch sizes; its `mbu` counts only the experts a step
 is expected to read with its random router (uniform choices: a layer's experts each read
 with probability 1 - (1 - K/X)^batch).
+
+The sliding-window variant serves a Gemma-3-27B-shaped model in int8 (five layers in six
+slide over 1024 tokens, their pages in hybrid KV memory's window pool) on prompts of
+`WINDOW_PROMPT_LEN` tokens, at the first two batch sizes; its `mbu` counts each sliding
+layer's K/V as its window, not the whole row.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pallas_kernels.device_check import error_text
 
 # The model shapes: Llama-3.1-8B (the shipped reference shape), Qwen3-30B-A3B for the
 # mixture-of-experts variant, and for --quick, tiny ones.
-MODEL_SHAPE, MOE_SHAPE = "llama-3.1-8b", "qwen3-30b-a3b"
+MODEL_SHAPE, MOE_SHAPE, WINDOW_SHAPE = "llama-3.1-8b", "qwen3-30b-a3b", "gemma-3-27b"
 QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -47,6 +52,11 @@ QUICK_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 QUICK_MOE_CONFIG = {**QUICK_CONFIG, "architectures": ["Qwen3MoeForCausalLM"],
                     "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
                     "moe_intermediate_size": 64}
+QUICK_WINDOW_CONFIG = {**QUICK_CONFIG, "architectures": ["Gemma3ForCausalLM"],
+                       "model_type": "gemma3_text", "num_hidden_layers": 4,
+                       "sliding_window": 8, "sliding_window_pattern": 2,
+                       "query_pre_attn_scalar": 16}
+QUICK_CONFIGS = {MOE_SHAPE: QUICK_MOE_CONFIG, WINDOW_SHAPE: QUICK_WINDOW_CONFIG}
 # The preset `serve` would take on each chip, by a substring of jax's device_kind.
 PRESET_BY_DEVICE = {"H200": "h200-1", "H100": "h100-1", "A100": "a100-80g-1",
                     "TPU v6": "v6e-1", "TPU v5 lite": "v5e-1", "TPU v5e": "v5e-1",
@@ -62,6 +72,13 @@ SPEC_BATCHES = 2  # the speculative and MoE variants run the first two batch siz
 VARIANTS["moe_int8"] = {"model": MOE_SHAPE, "quantization": "int8"}
 LORA_SLOTS, LORA_RANK = 4, 16
 VARIANTS["lora"] = {"enable_lora": True, "max_loras": LORA_SLOTS, "max_lora_rank": LORA_RANK}
+WINDOW_PROMPT_LEN = 8192  # eight windows: most of a row's K/V is past its sliding layers'
+# 16 rows at most: the window pool holds every running row's window of its 52 sliding layers
+# (1024 tokens of 16 kv heads of 128 each: 9 GiB in bfloat16 for 16 rows)
+VARIANTS["window_int8"] = {"model": WINDOW_SHAPE, "quantization": "int8",
+                           "max_model_len": 16384, "max_num_seqs": 16,
+                           "seq_buckets": (1, 2, 4, 8, 16)}
+FULL_ONLY = ("max_model_len", "max_num_seqs", "seq_buckets")  # --quick keeps its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +109,7 @@ def model_config(quick: bool, shape: str = MODEL_SHAPE):
     from jaxserve.presets import reference_model_dir
 
     if quick:
-        return config_from_hf(QUICK_MOE_CONFIG if shape == MOE_SHAPE else QUICK_CONFIG)
+        return config_from_hf(QUICK_CONFIGS.get(shape, QUICK_CONFIG))
     return read_config(reference_model_dir(shape))
 
 
@@ -164,14 +181,17 @@ def unread_expert_bytes(engine, batch: int) -> float:
     return stored * (1 - moe.top_k / moe.num_experts) ** batch
 
 
-def kv_bytes_per_token(engine) -> int:
-    """K and V bytes one token holds across the layers, per device."""
+def kv_bytes_read(engine, length: float) -> float:
+    """K and V bytes (per device) one decode step reads for a row of `length` tokens: every
+    layer's, a sliding layer's no more than its window's."""
     from pallas_kernels.kv_quant import page_dtype
 
     cfg, config = engine.model_config, engine.config  # kv heads as stored: a multiple of tp
     dtype = page_dtype(config.kv_cache_dtype, engine.model.compute_dtype)
     heads = cfg.num_kv_heads // config.tensor_parallel_size
-    return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    per_layer_token = 2 * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return per_layer_token * sum(length if window is None else min(length, window)
+                                 for window in cfg.layer_windows)
 
 
 def random_adapters(engine, count: int, rng) -> list:
@@ -237,28 +257,33 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
             continue
         config = model_config(quick, overrides.get("model", MODEL_SHAPE))
         overrides = {k: v for k, v in overrides.items() if k != "model"}
+        windowed = any(window is not None for window in config.layer_windows)
+        this_work = work  # the sliding variant's prompts span several windows
+        if windowed and not quick:
+            this_work = dataclasses.replace(work, prompt_len=WINDOW_PROMPT_LEN)
+        elif quick:
+            overrides = {k: v for k, v in overrides.items() if k not in FULL_ONLY}
         options = {"max_num_seqs": max(work.batches), **(QUICK_LADDER if quick else {}),
                    **overrides}
         try:
             started = time.perf_counter()
             engine, used, weight_bytes = build_engine(config, options, progress)
             build_s = time.perf_counter() - started
-            per_token = kv_bytes_per_token(engine)
-            run_batch(engine, 1, dataclasses.replace(work, new_tokens=2), rng)  # first runs
+            run_batch(engine, 1, dataclasses.replace(this_work, new_tokens=2), rng)  # first runs
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
             add({"variant": variant, "error": error_text(err)})
             continue
-        runs = [(batch, None) for batch in work.batches]
-        if "speculative_config" in overrides or config.moe is not None:
+        runs = [(batch, None) for batch in this_work.batches]
+        if "speculative_config" in overrides or config.moe is not None or windowed:
             runs = runs[:SPEC_BATCHES]
         if overrides.get("enable_lora"):
             adapters = random_adapters(engine, LORA_SLOTS, rng)
-            batch = max(work.batches[-2], LORA_SLOTS)  # room for every adapter
+            batch = max(this_work.batches[-2], LORA_SLOTS)  # room for every adapter
             runs = [(batch, adapters[:count]) for count in (0, 1, LORA_SLOTS)]
         for batch, loras in runs:
             row = {"variant": variant, "model": config.model_type, "batch": batch,
-                   "prompt_len": work.prompt_len,
-                   "new_tokens": work.new_tokens, "weight_bytes": weight_bytes,
+                   "prompt_len": this_work.prompt_len,
+                   "new_tokens": this_work.new_tokens, "weight_bytes": weight_bytes,
                    "build_s": round(build_s, 1),
                    "options": {k: used[k] for k in sorted(used) if k in options},
                    **({} if loras is None else {"adapters": len(loras)})}
@@ -266,12 +291,13 @@ def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
                 add({**row, "skipped": "time budget spent"})
                 continue
             try:
-                numbers = run_batch(engine, batch, work, rng, loras)
+                numbers = run_batch(engine, batch, this_work, rng, loras)
             except Exception as err:  # noqa: BLE001 - recorded, the run goes on
                 add({**row, "error": error_text(err)})
                 continue
             step_bytes = (weight_bytes - unread_expert_bytes(engine, batch)
-                          + batch * (work.prompt_len + work.new_tokens / 2) * per_token)
+                          + batch * kv_bytes_read(engine, this_work.prompt_len
+                                                    + this_work.new_tokens / 2))
             numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
             add({**row, **{k: round(v, 4 if k in ("mbu", "acceptance") else 2)
                            for k, v in numbers.items()}})

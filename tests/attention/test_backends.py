@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.attention import BACKENDS, PagedBatch
+from jaxserve.model.llama import StackedLayer
 
 PAGE, HKV, HQ, D = 16, 2, 4, 64  # the kernels take head_dim 64, 128 or 256
 
@@ -159,7 +160,8 @@ def test_decode_loop_steps_equal_numpy(name, sliding_window, rows):
 
 
 def test_stacked_layers_address_their_own_pages():
-    """With `pages_per_layer`, layer 1 writes and reads pages [N, 2N) of the one pool."""
+    """With `pages_per_layer`, the second layer of a stack (`StackedLayer` group 1) writes
+    and reads pages [N, 2N) of the stack's pool."""
     rng = np.random.default_rng(2)
     pages_per_layer = 4
     pool = rng.normal(size=(2, 2 * pages_per_layer, PAGE, HKV, D)).astype(np.float32)
@@ -171,7 +173,8 @@ def test_stacked_layers_address_their_own_pages():
     for name in ("cpu", "pallas"):
         backend = BACKENDS[name](PAGE, pages_per_layer=pages_per_layer)
         out, (k_pages, v_pages) = jax.jit(
-            lambda b, *a: backend.for_step(b)(jnp.int32(1), *a))(batch, q, k_new, v_new,
+            lambda b, *a: backend.for_step(b)(StackedLayer(jnp.int32(1), 0, 1), *a))(
+                batch, q, k_new, v_new,
                                                                 (packed(pool[0]),
                                                                  packed(pool[1])))
         layer1_k, layer1_v = pool[0][pages_per_layer:], pool[1][pages_per_layer:]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 
-@pytest.mark.slow  # minutes: three engines compile (CI's slow step)
+@pytest.mark.slow  # minutes: engines compile (CI's slow step)
 def test_quick_run_writes_every_section(tmp_path):
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "device", "--quick",
@@ -30,9 +30,12 @@ def test_quick_run_writes_every_section(tmp_path):
 
     serving = data["serving"]
     assert {(row["variant"], row["batch"], row.get("adapters")) for row in serving} == {
-        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec", "moe_int8")
+        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec", "moe_int8",
+                                               "window_int8")
         for batch in (1, 4)} | {("lora", 4, count) for count in (0, 1, 4)}
     assert {row["model"] for row in serving if row["variant"] == "moe_int8"} == {"qwen3_moe"}
+    assert {row["model"] for row in serving if row["variant"] == "window_int8"} == {
+        "gemma3_text"}
     assert all(0 <= row["acceptance"] <= 1 for row in serving if row["variant"] == "ngram_spec")
     for row in serving:
         assert row["output_tok_s"] > 0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0

@@ -108,7 +108,7 @@ def test_stacked_layers_match_transformers(name, tmp_path):
     assert llm.model.scan_layers
     stacks = [layer.attn.q_proj.get_value().shape[0] for layer in llm.model.layers]
     assert (stacks, len(llm.model.tail)) == (([2, 2], 1) if periodic else ([3], 0))
-    if name != "llama":  # every layer of Mistral slides, one in two of the periodic ones
+    if name != "llama" and name != "qwen3":  # Mistral's layers all slide, one in two others
         assert llm.engine.window.layers == ((0, 2, 4) if periodic else (0, 1, 2))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
