@@ -89,9 +89,6 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
         spec = eagle3.with_head(spec, model_dir)
         engine_config = dataclasses.replace(engine_config, speculative_config=spec)
         eagle3.read_config(spec, model_config)  # the head's folder and shapes, checked early
-        if engine_config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size "
-                             f"1 for now, not {engine_config.tensor_parallel_size}")
     first = jax.devices()[0]
     model_config = with_quantization(model_config, engine_config.quantization,
                                      engine_config.quantize_activations, first.platform,

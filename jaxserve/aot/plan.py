@@ -290,9 +290,6 @@ def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool
     or None."""
     spec = engine.speculative_config
     if spec is not None and spec.method == "eagle3":
-        if engine.tensor_parallel_size > 1:
-            raise ValueError("speculative_config.method 'eagle3' runs at tensor_parallel_size"
-                             f" 1 for now, not {engine.tensor_parallel_size}")
         return eagle3.abstract_head(eagle3.with_head(spec, Path(model_dir)), target_config,
                                     dtype, mesh)
     if spec is None or spec.method != "draft_model":

@@ -37,6 +37,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
+import sharding
+
 from jaxserve.attention import PagedBatch
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import ModelConfig, config_from_hf
@@ -146,7 +148,15 @@ class Eagle3Head(nnx.Module):
         return aux.astype(self.compute_dtype) @ self.fc[...]
 
     def on_mesh(self, mesh) -> "Eagle3Head":
-        """This head with every parameter replicated on `mesh`."""
+        """This head with every parameter replicated on `mesh`, its kv heads repeated as the
+        target's are where the mesh splits the heads finer than it has kv heads (the
+        attention and the head's KV pool split over the same devices as the target's)."""
+        repeats = _kv_repeats(self.config, mesh)
+        if repeats > 1:
+            for proj in (self.attn.k_proj, self.attn.v_proj):  # [2E, Hkv, D]
+                proj.set_value(jnp.repeat(proj[...], repeats, axis=1))
+            self.config = _with_repeats(self.config, repeats)
+            self.eagle = dataclasses.replace(self.eagle, layer=self.config)
         graphdef, state = nnx.split(self)
         replicated = NamedSharding(mesh, PartitionSpec())
         return nnx.merge(graphdef, jax.tree.map(lambda a: jax.device_put(a, replicated),
@@ -256,10 +266,22 @@ def load_head(spec, target: ModelConfig, dtype) -> Eagle3Head:
     return nnx.merge(graphdef, nnx.from_flat_state(variables))
 
 
+def _kv_repeats(config: ModelConfig, mesh) -> int:
+    """Copies of each kv head the head stores on `mesh` (`sharding.kv_head_repeats`)."""
+    return sharding.kv_head_repeats(config.num_kv_heads, config.num_heads,
+                                    sharding.tensor_parallel_size(mesh))
+
+
+def _with_repeats(config: ModelConfig, repeats: int) -> ModelConfig:
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeats)
+
+
 def abstract_head(spec, target: ModelConfig, dtype, mesh) -> Eagle3Head:
     """The head's shapes, replicated on `mesh` (`jaxserve plan`: its config.json is all that
     is read)."""
     _, eagle = read_config(spec, target, config_only=True)
+    eagle = dataclasses.replace(eagle, layer=_with_repeats(
+        eagle.layer, _kv_repeats(eagle.layer, mesh)))  # as `on_mesh` stores them
     head = nnx.eval_shape(lambda: Eagle3Head(eagle, dtype, nnx.Rngs(0)))
     graphdef, state = nnx.split(head)
     replicated = NamedSharding(mesh, PartitionSpec())
