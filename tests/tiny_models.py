@@ -204,3 +204,13 @@ def put_on_grid(hf_model, method: str, seed: int = 0) -> None:
             elif param.ndim == 3:  # stacked experts [X, out, in]
                 param.copy_(torch.from_numpy(np.stack(
                     [on_grid(tuple(param.shape[1:]), method, rng) for _ in param])))
+
+
+def transformers_greedy(hf_model, prompt: list[int], count: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt`: `count` tokens, eos ignored (the
+    reference the engine's tokens are held to)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

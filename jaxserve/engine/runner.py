@@ -28,7 +28,9 @@ once on an all-padding batch, which also catches a stored program that cannot ru
 This is the one place that calls `jax.jit` for the model step.
 
 The KV cache has the model's layout: per-layer `(k_pages, v_pages)` for a list of layers, one
-pool of every layer's pages for stacked layers (`scan_layers`, `kv_cache.cache_structure`).
+pool per stack of layers and per-layer pools for the rest with stacked layers (`scan_layers`,
+`kv_cache.cache_structure`); with hybrid KV memory the window layers' pools hold the window
+pool's pages (`window_pages`).
 A model whose parameters are abstract (`jaxserve plan`) gets an abstract cache: its programs
 can be compiled for a device that is not attached, never run.
 

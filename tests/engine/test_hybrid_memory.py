@@ -4,22 +4,13 @@ while sequences outgrow the window, share prefixes and preempt each other, gener
 transformers' greedy tokens."""
 
 import pytest
-import torch
 
 from jaxserve import LLM, SamplingParams
-from tiny_models import build_model
+from tiny_models import build_model, transformers_greedy
 
 PREFIX = [(7 * i) % 200 + 3 for i in range(40)]  # shared by three prompts: 2 full pages
 PROMPTS = [PREFIX + [5, 9, 11, 4, 8], PREFIX + [6], PREFIX + list(range(20, 32)), [17, 4, 9]]
 NEW_TOKENS = 60  # the window is 12 tokens: pages slide out all along
-
-
-def transformers_tokens(hf_model, prompt):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        return hf_model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("name", ["gemma3_text"])
@@ -35,6 +26,6 @@ def test_recycled_window_pages_give_transformers_tokens(name, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == transformers_tokens(hf_model, prompt)
+        assert output.outputs[0].token_ids == transformers_greedy(hf_model, prompt, NEW_TOKENS)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

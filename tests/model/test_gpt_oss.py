@@ -17,7 +17,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.mxfp4 import dequantize
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE, build_model, transformers_greedy
 
 PROMPTS = [[0, 5, 9, 22, 7], list(range(10, 31))]
 
@@ -43,14 +43,6 @@ def test_mxfp4_dequantization_equals_transformers():
         dequantize(blocks, scales[..., :1])
 
 
-def transformers_tokens(hf_model, prompt, count=16):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("backend, devices", [("pallas", 2), ("reference", 1)])
 def test_sinks_through_the_paged_backends(backend, devices, tmp_path):
     hf_model = build_model("gpt_oss", tmp_path, head_dim=64)  # a head_dim the kernels take
@@ -58,7 +50,7 @@ def test_sinks_through_the_paged_backends(backend, devices, tmp_path):
               tensor_parallel_size=devices, **SMALL_ENGINE)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [transformers_tokens(hf_model, p)
+    assert [o.outputs[0].token_ids for o in outputs] == [transformers_greedy(hf_model, p, 16)
                                                         for p in PROMPTS]
 
 
@@ -88,5 +80,5 @@ def test_mxfp4_checkpoint_generates_transformers_tokens(tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", progress=False, **SMALL_ENGINE)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [transformers_tokens(hf_model, p)
+    assert [o.outputs[0].token_ids for o in outputs] == [transformers_greedy(hf_model, p, 16)
                                                         for p in PROMPTS]

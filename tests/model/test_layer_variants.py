@@ -7,21 +7,12 @@ the scan is refused by name). One device is checked for every family in
 `test_hf_parity.py`."""
 
 import pytest
-import torch
 
 from jaxserve import LLM, SamplingParams
-from tiny_models import SMALL_ENGINE, build_model
+from tiny_models import SMALL_ENGINE, build_model, transformers_greedy
 
 PROMPTS = [[(5 * i + 3 * n) % 300 + 2 for i in range(n)] for n in (30, 4, 19)]  # window 12
 NEW_TOKENS = 16
-
-
-def transformers_tokens(hf_model, prompt):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        return hf_model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
 @pytest.mark.slow  # CI's slow step: one device of each runs in hf_parity
@@ -42,6 +33,6 @@ def test_sharded_layer_variants_equal_transformers(name, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == transformers_tokens(hf_model, prompt)
+        assert output.outputs[0].token_ids == transformers_greedy(hf_model, prompt, NEW_TOKENS)
     with pytest.raises(ValueError, match="scan_layers: this model's layers differ"):
         LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True, **SMALL_ENGINE)

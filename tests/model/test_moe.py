@@ -24,7 +24,8 @@ from jaxserve.model.config import (ModelConfig, MoEConfig, WeightQuantization, c
                                    with_expert_parallel)
 from jaxserve.model.moe import SparseMoE, expert_counts, route, route_sigmoid
 from jaxserve.model.quantization import dequantize, quantize
-from tiny_models import SMALL_ENGINE, build_model, is_router, put_on_grid
+from tiny_models import (SMALL_ENGINE, build_model, is_router, put_on_grid,
+                         transformers_greedy)
 
 
 def numpy_route(logits: np.ndarray, top_k: int, normalize: bool):
@@ -183,14 +184,6 @@ def test_dense_layers_among_sparse_ones():
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31)), [0] + list(range(100, 140, 3))]
 
 
-def greedy(hf_model, prompt, n):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name, expert_parallel", [("qwen3_moe", False), ("mixtral", True)])
 def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_path):
     """`scan_layers` (the TPU/GPU layout: stacked experts `[L, X, ...]`, the Pallas kernels
@@ -209,7 +202,7 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
                         (None, None, None, "model"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    expected = [greedy(hf_model, p, 12) for p in PROMPTS]
+    expected = [transformers_greedy(hf_model, p, 12) for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     # the expert load: every token the engine ran (prompt, then each output but the last)
     # through transformers' routers, counted per layer and expert
@@ -226,7 +219,7 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
         for name, param in hf_model.named_parameters():
             if is_router(name):
                 param.zero_()
-    assert [greedy(hf_model, p, 12) for p in PROMPTS] != expected
+    assert [transformers_greedy(hf_model, p, 12) for p in PROMPTS] != expected
 
 
 @pytest.mark.parametrize("name, method, expert_parallel, experts", [
@@ -251,7 +244,7 @@ def test_quantized_experts_on_the_grid_give_transformers_tokens(name, method, ex
     assert experts.down_proj_scale.get_value().shape == (layers, x, hf_model.config.hidden_size)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(hf_model, p, 12)
+    assert [o.outputs[0].token_ids for o in outputs] == [transformers_greedy(hf_model, p, 12)
                                                         for p in PROMPTS]
 
 
@@ -285,7 +278,7 @@ def test_compressed_tensors_moe_checkpoint_gives_transformers_tokens(tmp_path):
             "dynamic": False}}},
         "ignore": ["lm_head", "re:.*mlp.gate$"]}
     (tmp_path / "int8" / "config.json").write_text(json.dumps(config))
-    expected = [greedy(hf_model, p, 12) for p in PROMPTS]
+    expected = [transformers_greedy(hf_model, p, 12) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     llm = LLM(str(tmp_path / "int8"), dtype="float32", progress=False, **SMALL_ENGINE)
