@@ -49,7 +49,7 @@ from jaxserve.engine import cache_audit
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
-from jaxserve.engine.kv_cache import page_bytes, pages_for_memory, window_pool_bytes
+from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.window_pages import WindowLayout, window_layout
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
@@ -232,13 +232,9 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
                            f"per device{_in_use_note(first_in_use)}: {err}"
         return result
-    full_layers = stored.num_layers - (0 if window is None else len(window.layers))
-    kv_bytes = num_pages * ((page_bytes(stored, engine.page_size, cache_dtype, tp,
-                                        target.platform, full_layers)
-                             + (0 if draft is None else page_bytes(
-                                 draft.config, engine.page_size, cache_dtype, tp,
-                                 target.platform))) // tp)
-    kv_bytes += window_pool_bytes(stored, engine, cache_dtype, window, tp, target.platform)
+    kv_bytes = (num_pages * full_page_bytes(stored, engine, cache_dtype, tp, target.platform,
+                                            draft and draft.config, window)
+                + window_pool_bytes(stored, engine, cache_dtype, window, tp, target.platform))
     result.update(num_pages=num_pages, kv_cache_bytes_per_device=kv_bytes,
                   max_concurrent_tokens=(num_pages - 1) * engine.page_size,
                   **hybrid_memory_report(stored, engine, cache_dtype, hbm,
@@ -275,7 +271,10 @@ def hybrid_memory_report(model, engine: EngineConfig, dtype, hbm: int, in_use: i
     for every layer (`disable_hybrid_kv_cache_manager`)."""
     if window is None:
         return {"window_layers": 0, "window_pool_pages": 0, "window_pool_bytes_per_device": 0}
-    flat = pages_for_memory(model, engine, dtype, hbm, in_use, tp, platform, draft)
+    try:
+        flat = pages_for_memory(model, engine, dtype, hbm, in_use, tp, platform, draft)
+    except ValueError:  # without it not even one full-length sequence fits
+        flat = 1
     return {"window_layers": len(window.layers), "window_pool_pages": window.num_pages,
             "window_pool_bytes_per_device": window_pool_bytes(model, engine, dtype, window, tp,
                                                               platform),

@@ -68,6 +68,20 @@ def choose_num_pages(model: ModelConfig, engine: EngineConfig, dtype,
                             tensor_parallel_size, device.platform, draft, window)
 
 
+def full_page_bytes(model: ModelConfig, engine: EngineConfig, dtype,
+                    tensor_parallel_size: int = 1, platform: str | None = None,
+                    draft: ModelConfig | None = None,
+                    window: WindowLayout | None = None) -> int:
+    """Bytes per device of one page of the full-context pool: every layer's but the
+    `window` pool's, and the `draft` model's (whose pool has the same page ids)."""
+    full_layers = model.num_layers - (0 if window is None else len(window.layers))
+    total = page_bytes(model, engine.page_size, dtype, tensor_parallel_size, platform,
+                       full_layers)
+    if draft is not None:
+        total += page_bytes(draft, engine.page_size, dtype, tensor_parallel_size, platform)
+    return total // tensor_parallel_size
+
+
 def window_pool_bytes(model: ModelConfig, engine: EngineConfig, dtype,
                       window: WindowLayout | None, tensor_parallel_size: int = 1,
                       platform: str | None = None) -> int:
@@ -90,22 +104,28 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
     pool's ids cost nothing and there are enough for every sequence at full length."""
     if engine.num_pages is not None:
         return engine.num_pages
-    full_layers = model.num_layers - (0 if window is None else len(window.layers))
-    one_page = (page_bytes(model, engine.page_size, dtype, tensor_parallel_size, platform,
-                           full_layers)
-                + (0 if draft is None else page_bytes(draft, engine.page_size, dtype,
-                                                       tensor_parallel_size, platform))
-                ) // tensor_parallel_size
-    wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
+    one_page = full_page_bytes(model, engine, dtype, tensor_parallel_size, platform, draft,
+                               window)
     window_bytes = window_pool_bytes(model, engine, dtype, window, tensor_parallel_size,
                                      platform)
+    if bytes_limit is not None:
+        budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    budget -= window_bytes
+    if budget < 0:
+        raise ValueError(
+            f"hybrid KV memory's window pool ({window.num_pages} pages, the windows of "
+            f"max_num_seqs={engine.max_num_seqs} sequences) takes {window_bytes / 2**30:.2f} "
+            "GiB, more than the KV cache's share of memory; lower max_num_seqs or raise "
+            "kv_cache_memory_fraction")
+    wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
     if one_page == 0:
         pages = wanted
     elif bytes_limit is not None:
-        budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
-        pages = max(budget - window_bytes, 0) // one_page
+        pages = budget // one_page
     else:
-        pages = min(wanted, max(CPU_KV_CACHE_BYTES - window_bytes, 0) // one_page)
+        pages = min(wanted, budget // one_page)
     if pages < 1 + engine.pages_per_seq:
         raise ValueError(
             f"the KV cache fits only {pages} pages of {engine.page_size} tokens, fewer than one "
@@ -129,8 +149,8 @@ def cache_structure(model: ModelConfig, num_pages: int, page_size: int, dtype,
     their scales per kv head `[Hkv]` (`[G, Hkv]` stacked), on every device.
     `platform` (default: JAX's default backend) and the mesh's tensor parallelism decide how
     many tokens share a page row (`kv_quant.tokens_per_row`: more than 1 only on TPU).
-    `window`: hybrid KV memory, whose window layers have `window.num_pages` pages (with
-    stacked layers, every layer)."""
+    `window`: hybrid KV memory, whose window layers (and stacks of them) have
+    `window.num_pages` pages a layer."""
     platform = platform or jax.default_backend()
     tp = 1 if mesh is None else sharding.tensor_parallel_size(mesh)
     fold = tokens_per_row(page_size, model.num_kv_heads, model.head_dim, tp, platform)

@@ -146,3 +146,7 @@ def test_the_window_pool_is_sized_first_and_the_rest_goes_to_full_context_pages(
     flat = pages_for_memory(model, config, jnp.float32, 10 * 2**20, 2 * 2**20)
     assert flat == budget // (4 * layer_page)
     assert (hybrid - 1) // 64 == 15 and (flat - 1) // 64 == 7  # full-length sequences
+    # a window pool larger than the cache's share is refused by name
+    with pytest.raises(ValueError, match="window pool .* max_num_seqs=4"):
+        pages_for_memory(model, config, jnp.float32, 2 * 2**20 + 2 * window.num_pages
+                         * 2 * layer_page - 1, 2 * 2**20, window=window)
