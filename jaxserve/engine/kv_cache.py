@@ -109,18 +109,20 @@ def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limi
     window_bytes = window_pool_bytes(model, engine, dtype, window, tensor_parallel_size,
                                      platform)
     if bytes_limit is not None:
-        budget = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
+        available = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
     else:
-        budget = CPU_KV_CACHE_BYTES
-    budget -= window_bytes
-    if budget < 0:
+        available = CPU_KV_CACHE_BYTES
+    if window is not None and 0 < available < window_bytes:
         raise ValueError(
             f"hybrid KV memory's window pool ({window.num_pages} pages, the windows of "
             f"max_num_seqs={engine.max_num_seqs} sequences) takes {window_bytes / 2**30:.2f} "
             "GiB, more than the KV cache's share of memory; lower max_num_seqs or raise "
             "kv_cache_memory_fraction")
+    budget = max(available - window_bytes, 0)  # for the full-context pool
     wanted = 1 + engine.max_num_seqs * engine.pages_per_seq
-    if one_page == 0:
+    if available <= 0:
+        pages = 0
+    elif one_page == 0:
         pages = wanted
     elif bytes_limit is not None:
         pages = budget // one_page
