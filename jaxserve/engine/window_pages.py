@@ -101,11 +101,14 @@ class WindowPages:
         `num_computed_tokens`) and extend its table to `num_pages` entries; False (nothing
         taken, the freeing kept) if the pool cannot."""
         pages = seq.window_pages
-        dead = [i for i in range(min(self.first_visible(seq.num_computed_tokens), len(pages)))
-                if pages[i]]
-        self.allocator.free([pages[i] for i in dead])
-        for i in dead:
-            pages[i] = 0
+        # freed entries are a prefix of zeros: walk back from the window's start to it, so a
+        # step costs the pages it frees, not the sequence's length
+        first = min(self.first_visible(seq.num_computed_tokens), len(pages))
+        dead = first
+        while dead > 0 and pages[dead - 1]:
+            dead -= 1
+        self.allocator.free(pages[dead:first])
+        pages[dead:first] = [0] * (first - dead)
         needed = num_pages - len(pages)
         if needed <= 0:
             return True
