@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import sharding
 from jaxserve.model.llama import StackedLayer, layer_position
-from jaxserve.model.moe import ExpertKernels, default_mixture, mix_experts
+from jaxserve.model.expert_mixtures import ExpertKernels, LocalMixture, default_mixture
 from pallas_kernels import kv_quant
 
 
@@ -100,10 +100,10 @@ class AttentionBackend:
                        expert_parallel=False) -> jax.Array:
         """A mixture-of-experts layer's experts (`jaxserve.model.moe.ExpertMixture`):
         `default_mixture`, partitioned by XLA, unless a backend has better for its platform;
-        with expert parallelism on a mesh, each device's own experts through `ragged_dot`
+        with expert parallelism on a mesh, `default_mixture` on each device's own experts
         (`experts_per_device`)."""
         if expert_parallel and self.mesh is not None:
-            return experts_per_device(jax.lax.ragged_dot, self.mesh, True)(
+            return experts_per_device(default_mixture, self.mesh, True)(
                 x, weights, experts, kernels)
         return default_mixture(x, weights, experts, kernels)
 
@@ -192,10 +192,10 @@ class PagedAttention:
         return out, (k_pages, v_pages, k_scale, v_scale)
 
 
-def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
-    """An `ExpertMixture` running `matmul(lhs [M, K], rhs [G, K, N], group_sizes [G])` (a
-    grouped matmul kernel) on each device of `mesh`'s "model" axis, tokens and routing
-    replicated (as tensor-parallel attention leaves them):
+def experts_per_device(local_mixture: LocalMixture, mesh: Mesh | None, expert_parallel: bool):
+    """An `ExpertMixture` running `local_mixture` (`jaxserve.model.expert_mixtures`) on each
+    device of `mesh`'s "model" axis, tokens and routing replicated (as tensor-parallel
+    attention leaves them):
     - tensor-parallel experts: each device holds a slice of every expert's width (the "mlp"
       axis, when the sharding rules split it) and computes every pair's partial output;
     - `expert_parallel`: each device holds X / tp whole experts and computes only the pairs
@@ -204,7 +204,7 @@ def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
     same size as the dense MLP's, and no all-to-all, because every device already holds
     every token."""
     if mesh is None:
-        return functools.partial(mix_experts, matmul)
+        return local_mixture
 
     def on_mesh(x, weights, experts, kernels: ExpertKernels):
         replicated = P()
@@ -225,11 +225,12 @@ def experts_per_device(matmul, mesh: Mesh | None, expert_parallel: bool):
         specs = dataclasses.replace(kernels, **{
             name: None if getattr(kernels, name) is None else spec
             for name, spec in per_column.items()})
-        per_device = kernels.num_experts // mesh.shape[axis] if expert_parallel else 0
+        shards = mesh.shape[axis] if expert_parallel else 1
+        per_device = kernels.num_experts // shards
 
         def body(x, weights, experts, kernels):
             first = jax.lax.axis_index(axis) * per_device if expert_parallel else 0
-            out = mix_experts(matmul, x, weights, experts, kernels, first)  # [T, E]
+            out = local_mixture(x, weights, experts, kernels, first, shards)  # [T, E]
             return out if axis is None else jax.lax.psum(out, axis)
 
         return jax.shard_map(body, mesh=mesh, in_specs=(replicated,) * 3 + (specs,),

@@ -19,6 +19,7 @@ import jax
 
 import pallas_kernels
 from jaxserve.attention.backend import AttentionBackend, experts_per_device
+from jaxserve.model.expert_mixtures import mix_experts
 from pallas_kernels import kv_quant
 from pallas_kernels.grouped_matmul import grouped_matmul
 
@@ -45,9 +46,10 @@ class PallasBackend(AttentionBackend):
 
     def expert_mixture(self, x, weights, experts, kernels, expert_parallel=False):
         """On TPU, megablox `gmm` on each device (`pallas_kernels.grouped_matmul`); elsewhere
-        the base backend's `ragged_dot` (GPU has no grouped-matmul kernel here yet)."""
-        on_tpu = experts_per_device(functools.partial(grouped_matmul, interpret=False),
-                                    self.mesh, expert_parallel)
+        the base backend's (GPU has no grouped-matmul kernel here yet)."""
+        gmm = functools.partial(grouped_matmul, interpret=False)
+        on_tpu = experts_per_device(functools.partial(mix_experts, gmm), self.mesh,
+                                    expert_parallel)
         return jax.lax.platform_dependent(
             x, weights, experts, kernels, tpu=on_tpu,
             default=functools.partial(super().expert_mixture, expert_parallel=expert_parallel))

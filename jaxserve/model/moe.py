@@ -7,18 +7,13 @@ Routing (`MoEConfig.scoring`): "softmax" takes the softmax's top k; "sigmoid" (G
 DeepSeek-V3's MoE) chooses on sigmoid scores plus a per-expert correction bias, among the
 best groups of experts only, and weighs by the chosen sigmoid scores (`route_sigmoid`).
 
-Dropless and grouped: the (token, expert) pairs are sorted by expert, so each expert's rows
-are contiguous, and the experts' SwiGLU runs as grouped matmuls over all experts at once
-(`[R, in]` rows against `[X, in, out]` weights, `group_sizes[X]` rows per expert). No
-capacity factor: no token is ever dropped, however unevenly the router spreads them, and
-every shape depends only on the token bucket, so nothing compiles after warm-up.
-
-The dispatch, grouped SwiGLU and weighted sum are an `ExpertMixture` the attention backend
-may supply (it knows the platform and the mesh, as for attention): `default_mixture` by
-default (gathered experts for small buckets, blocks of rows for larger ones); the Pallas
-backend's on TPU is megablox `gmm` per device (`pallas_kernels.grouped_matmul`); with
-expert parallelism, each device's own experts (`jaxserve.attention.backend.
-experts_per_device`).
+Dropless: no token is ever dropped, however unevenly the router spreads them, and every
+shape depends only on the token bucket, so nothing compiles after warm-up. How the pairs
+run through the experts is an `ExpertMixture` the attention backend supplies (it knows the
+platform and the mesh, as for attention), built from `jaxserve.model.expert_mixtures`:
+`default_mixture` on CPU and GPU (gathered experts, slots of rows per expert or blocks,
+by the bucket and the routing); megablox `gmm` per device on TPU; with expert
+parallelism, each device's own experts (`jaxserve.attention.backend.experts_per_device`).
 
 Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
 expert axis: with the default rules experts are tensor-parallel (each device holds a slice
@@ -35,7 +30,6 @@ quantized (`quantize_activations` applies to attention and dense MLPs).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
@@ -43,7 +37,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig, MoEConfig
+from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, sort_pairs
 from jaxserve.model.quantization import weight_param
+
+# mixture(x [T, E], weights [T, K], experts [T, K], kernels: ExpertKernels,
+#         expert_parallel) -> [T, E]: each token's experts' outputs, summed with their
+#         weights (the backend's: it knows the platform and the mesh)
+ExpertMixture = Callable[..., jax.Array]
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool
@@ -83,183 +83,13 @@ def route_sigmoid(router_logits: jax.Array, correction_bias: jax.Array, moe: MoE
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ExpertKernels:
-    """The experts' gated MLP as stored: kernels `gate`, `up` `[X, E, I]` and `down`
-    `[X, I, E]` in the compute dtype, or quantized: int8/fp8 codes with float32 scales
-    `gate_scale`, `up_scale` `[X, I]` and `down_scale` `[X, E]`, one per expert and output
-    channel (None when not quantized); gpt-oss's `gate_bias`, `up_bias` `[X, I]` (None:
-    none; the down projection's bias is added outside the mixtures, once per token); and
-    the activation (`MoEConfig.activation`, static). A pytree, so it passes through
-    `shard_map` and `platform_dependent` whole."""
-
-    gate: jax.Array
-    up: jax.Array
-    down: jax.Array
-    gate_scale: jax.Array | None = None
-    up_scale: jax.Array | None = None
-    down_scale: jax.Array | None = None
-    gate_bias: jax.Array | None = None
-    up_bias: jax.Array | None = None
-    activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
-    swiglu_alpha: float = dataclasses.field(default=1.702, metadata=dict(static=True))
-    swiglu_limit: float = dataclasses.field(default=7.0, metadata=dict(static=True))
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate.shape[0]
-
-    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        """The gated activation of the gate and up projections' outputs `[..., I]`."""
-        if self.activation == "silu":
-            return jax.nn.silu(gate) * up
-        limit = self.swiglu_limit
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return (up + 1) * gate * jax.nn.sigmoid(gate * self.swiglu_alpha)
-
-
-# mixture(x [T, E], weights [T, K], experts [T, K], kernels: ExpertKernels,
-#         expert_parallel) -> [T, E]: each token's experts' SwiGLU outputs, summed with
-#         their weights (the backend's: it knows the platform and the mesh)
-ExpertMixture = Callable[..., jax.Array]
-
-
-def scaled(out: jax.Array, scale: jax.Array | None, owner: jax.Array,
-           bias: jax.Array | None = None) -> jax.Array:
-    """`out` `[N, ..., O]`, computed with the codes of experts `owner` `[N]`, times those
-    experts' scales `scale` `[X, O]` (None: `out` as it is), plus their biases `bias`
-    `[X, O]` (None: none), in out's dtype."""
-
-    def per_row(table):
-        return table[owner].reshape(owner.shape + (1,) * (out.ndim - 2) + table.shape[-1:])
-
-    if scale is not None:
-        out = (out.astype(jnp.float32) * per_row(scale)).astype(out.dtype)
-    return out if bias is None else out + per_row(bias).astype(out.dtype)
-
-
-def grouped_mlp(matmul, rows, group_sizes, kernels: ExpertKernels, row_expert
-                   ) -> jax.Array:
-    """The experts' gated MLP with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
-    group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature) over `rows` `[R, E]`,
-    grouped by expert; `row_expert` `[R]` is each row's expert (for scales and biases)."""
-
-    def product(lhs, kernel, scale, bias=None):
-        return scaled(matmul(lhs, kernel.astype(lhs.dtype), group_sizes), scale, row_expert,
-                      bias)
-
-    h = kernels.glu(product(rows, kernels.gate, kernels.gate_scale, kernels.gate_bias),
-                    product(rows, kernels.up, kernels.up_scale, kernels.up_bias))  # [R, I]
-    return product(h, kernels.down, kernels.down_scale)  # [R, E]
-
-
-def grouped_by_expert(experts: jax.Array, num_experts: int
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Sort the `T * K` (token, expert) pairs of `experts` `[T, K]` by expert: (order `[T*K]`,
-    the pair index at each sorted row; group_sizes `[X]` int32, rows per expert; token
-    `[T*K]`, each sorted row's token). Expert ids outside `[0, num_experts)` sort after
-    every group and count in none."""
-    flat = experts.reshape(-1)  # [T*K]
-    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # [T*K]
-    order = jnp.argsort(key, stable=True)  # [T*K]
-    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts]  # [X]
-    return order, group_sizes.astype(jnp.int32), order // experts.shape[-1]
-
-
-def mix_experts(matmul, x, weights, experts, kernels: ExpertKernels, first_expert=0
-                ) -> jax.Array:
-    """x `[T, E]` through the experts held here (`kernels` of X' experts): experts
-    `first_expert .. first_expert + X'` (all of them, or one device's share under expert
-    parallelism). Each (token, expert) pair of `experts` `[T, K]` held here adds its SwiGLU
-    output times its weight (`weights` `[T, K]`); pairs routed to experts held elsewhere add
-    nothing. `matmul` is the grouped matmul (`grouped_mlp`). → `[T, E]`."""
-    local = experts - first_expert  # [T, K]
-    order, group_sizes, token = grouped_by_expert(local, kernels.num_experts)
-    rows = jnp.take(x, token, axis=0)  # [T*K, E], grouped by expert
-    row_expert = jnp.clip(local.reshape(-1)[order], 0, kernels.num_experts - 1)  # [T*K]
-    out = grouped_mlp(matmul, rows, group_sizes, kernels, row_expert)  # [T*K, E]
-    held = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)  # [T*K] rows of some group
-    out = jnp.where(held[:, None], out, 0)
-    per_pair = jnp.zeros_like(out).at[order].set(out)  # [T*K, E], pair order
-    per_pair = per_pair.reshape(*experts.shape, -1)  # [T, K, E]
-    return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)  # [T, E]
-
-
 def expert_counts(experts: jax.Array, num_experts: int, real: jax.Array | None = None
                   ) -> jax.Array:
     """How many of the tokens' (token, expert) pairs `experts` `[T, K]` each expert got:
     `[X]` int32, counting only the tokens where `real` `[T]` holds (None: all of them)."""
     if real is not None:
         experts = jnp.where(real[:, None], experts, -1)
-    return grouped_by_expert(experts, num_experts)[1]  # (the unused sort compiles away)
-
-
-def _owned_mlp(spec_in: str, spec_out: str, rows, kernels: ExpertKernels, owner
-                  ) -> jax.Array:
-    """The gated MLP of `rows` `[N, ..., E]`, each leading slice through the experts `owner`
-    `[N]`: `spec_in` / `spec_out` the einsums of gate/up and of down over gathered kernels
-    `[N, E, I]` / `[N, I, E]`."""
-
-    def product(spec, lhs, kernel, scale, bias=None):
-        return scaled(jnp.einsum(spec, lhs, kernel[owner].astype(lhs.dtype)), scale, owner,
-                      bias)
-
-    h = kernels.glu(product(spec_in, rows, kernels.gate, kernels.gate_scale, kernels.gate_bias),
-                    product(spec_in, rows, kernels.up, kernels.up_scale, kernels.up_bias))
-    return product(spec_out, h, kernels.down, kernels.down_scale)  # [N, ..., E]
-
-
-def gathered_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
-    """The mixture with each (token, expert) pair's weights gathered: `T * K` experts'
-    weights read, no sort. `[T, E]`, as `mix_experts` computes it."""
-    tokens, k = experts.shape
-    chosen = experts.reshape(-1)  # [R] pair order, R = T * K
-    rows = jnp.repeat(x, k, axis=0)  # [R, E]
-    out = _owned_mlp("re,rei->ri", "ri,rie->re", rows, kernels, chosen)  # [R, E]
-    out = out.reshape(tokens, k, -1)  # [T, K, E]
-    return jnp.sum(out * weights[..., None].astype(x.dtype), axis=1)
-
-
-def blocked_mixture(x, weights, experts, kernels: ExpertKernels) -> jax.Array:
-    """The mixture as batched matmuls over blocks of rows: the (token, expert) pairs sorted by
-    expert, each expert's rows padded to whole blocks of B, and each block multiplied by its
-    expert's weights (gathered once a block). With B about R / X (R = T * K pairs, X
-    experts), at most 2X blocks: the arithmetic of about 2R rows and the weights of at most
-    2X experts, where a dense product runs every row through every expert. `[T, E]`, as
-    `mix_experts` computes it."""
-    num_experts, hidden = kernels.num_experts, x.shape[-1]
-    pairs = experts.size
-    block = -(-(-(-pairs // num_experts)) // 8) * 8  # rows a block, a multiple of 8
-    num_blocks = -(-pairs // block) + num_experts  # enough however the pairs fall
-    order, group_sizes, token = grouped_by_expert(experts, num_experts)
-    blocks_of = -(-group_sizes // block)  # [X] blocks each expert's rows fill
-    ends = jnp.cumsum(blocks_of)  # [X]
-    expert = experts.reshape(-1)[order]  # [R] each sorted row's expert
-    rank = jnp.arange(pairs) - (jnp.cumsum(group_sizes) - group_sizes)[expert]  # [R]
-    slot = (ends - blocks_of)[expert] * block + rank  # [R] its place among the blocks
-    rows = jnp.zeros((num_blocks * block, hidden), x.dtype).at[slot].set(
-        jnp.take(x, token, axis=0)).reshape(num_blocks, block, hidden)  # [N, B, E]
-    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks), side="right"),
-                        num_experts - 1)  # [N] each block's expert (unused blocks: any)
-    out = _owned_mlp("nbe,nei->nbi", "nbi,nie->nbe", rows, kernels, owner)  # [N, B, E]
-    out = out.reshape(-1, hidden)  # [N * B, E]
-    per_pair = jnp.zeros((pairs, hidden), out.dtype).at[order].set(out[slot])  # pair order
-    per_pair = per_pair.reshape(*experts.shape, hidden)  # [T, K, E]
-    return jnp.sum(per_pair * weights[..., None].astype(x.dtype), axis=1)
-
-
-def default_mixture(x, weights, experts, kernels: ExpertKernels, expert_parallel=False
-                    ) -> jax.Array:
-    """The default `ExpertMixture` (any platform, any sharding of the "mlp" width: XLA
-    partitions it). XLA:CPU and XLA:GPU lower `jax.lax.ragged_dot` as a dense product that
-    runs every row through every expert, so this does without it: a bucket with no more
-    (token, expert) pairs than experts (a decode step of a few rows) gathers its pairs'
-    experts (`gathered_mixture`: the weights of K experts a token); larger ones run blocks
-    of rows against their experts (`blocked_mixture`)."""
-    if experts.size <= kernels.num_experts:
-        return gathered_mixture(x, weights, experts, kernels)
-    return blocked_mixture(x, weights, experts, kernels)
+    return sort_pairs(experts, num_experts).group_sizes  # (the unused sort compiles away)
 
 
 class SparseMoE(nnx.Module):
@@ -316,9 +146,11 @@ class SparseMoE(nnx.Module):
         else:  # GLM computes its router in float32
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [T, X]
             weights, experts = route_sigmoid(logits, self.correction_bias[...], self.moe)
-        mixed = (mixture or default_mixture)(
-            x, weights, experts, self.kernels(), expert_parallel=self.moe.expert_parallel)
-        # [T, E]
+        if mixture is None:  # all experts here
+            mixed = default_mixture(x, weights, experts, self.kernels())  # [T, E]
+        else:
+            mixed = mixture(x, weights, experts, self.kernels(),
+                            expert_parallel=self.moe.expert_parallel)  # [T, E]
         if self.down_bias is not None:  # each chosen expert's, by its weight, once a token
             chosen = self.down_bias[...][experts]  # [T, K, E]
             mixed = mixed + jnp.sum(chosen * weights[..., None].astype(x.dtype), axis=1)

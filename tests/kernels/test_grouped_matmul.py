@@ -4,6 +4,8 @@ experts (`jaxserve.attention.backend.experts_per_device`) over 4 CPU devices, ea
 width split or whole experts split (expert parallelism), against the same mixture with
 ragged_dot on one device."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 import sharding
 from jaxserve.attention.backend import experts_per_device
-from jaxserve.model.moe import ExpertKernels, default_mixture
+from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, mix_experts
 from jaxserve.model.quantization import quantize
 from pallas_kernels.grouped_matmul import grouped_matmul
 
@@ -42,13 +44,15 @@ def test_grouped_matmul_equals_ragged_dot(rows, k, n, groups, case):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("local", ["gmm", "default"])
 @pytest.mark.parametrize("expert_parallel, method", [(False, None), (True, None),
                                                      (False, "int8"), (True, "fp8")])
-def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel, method):
+def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel, method, local):
     """Tensor-parallel experts (each device 16 of every expert's 64 columns) and expert
     parallelism (each device 2 whole experts of 8), with one expert taking most tokens and
     one none, against the mixture on one device; quantized (`method`): codes and scales per
-    expert and output channel on the devices, against the float weights they stand for."""
+    expert and output channel on the devices, against the float weights they stand for.
+    Each device runs megablox `gmm` (TPU's) or `default_mixture` (CPU's and GPU's)."""
     mesh = sharding.make_mesh(tensor_parallel_size=4)
     rng = np.random.default_rng(0)
     tokens, k, e, i, x = 24, 2, 32, 64, 8
@@ -72,7 +76,8 @@ def test_experts_per_device_over_four_devices_equal_one_device(expert_parallel, 
               for a, names in zip(kernels, axes)]
     assert tuple(placed[0].sharding.spec) == (
         ("model", None, None) if expert_parallel else (None, None, "model"))
-    mixture = experts_per_device(lambda a, b, c: grouped_matmul(a, b, c, interpret=True), mesh,
-                                 expert_parallel)
+    gmm = functools.partial(grouped_matmul, interpret=True)
+    on_device = functools.partial(mix_experts, gmm) if local == "gmm" else default_mixture
+    mixture = experts_per_device(on_device, mesh, expert_parallel)
     got = jax.jit(mixture)(*routing, ExpertKernels(*placed))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
