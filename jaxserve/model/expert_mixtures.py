@@ -219,12 +219,14 @@ def capacity_mixture(x, weights, pairs: SortedPairs, kernels: ExpertKernels, cap
 def blocked_mixture(x, weights, pairs: SortedPairs, kernels: ExpertKernels) -> jax.Array:
     """The mixture as batched matmuls over blocks of rows: each expert's rows padded to whole
     blocks of B, and each block multiplied by its expert's weights (gathered once a block).
-    With B about R / X' (R pairs), at most 2X' blocks hold any routing: the arithmetic of
-    about 2R rows and the weights of at most 2X' experts. `[T, E]`."""
+    With B about R' / X' (R' the most pairs the X' experts here can hold: a token's K
+    experts are distinct), at most 2X' blocks hold any routing: the arithmetic of about 2R'
+    rows and the weights of at most 2X' experts. `[T, E]`."""
     num_experts, hidden = kernels.num_experts, x.shape[-1]
-    pairs_count = pairs.order.shape[0]
-    block = -(-(-(-pairs_count // num_experts)) // 8) * 8  # rows a block, a multiple of 8
-    num_blocks = -(-pairs_count // block) + num_experts  # enough however the pairs fall
+    tokens, top_k = weights.shape
+    most = tokens * min(top_k, num_experts)  # R'
+    block = -(-(-(-most // num_experts)) // 8) * 8  # rows a block, a multiple of 8
+    num_blocks = -(-most // block) + num_experts  # enough however the pairs fall
     blocks_of = -(-pairs.group_sizes // block)  # [X'] blocks each expert's rows fill
     ends = jnp.cumsum(blocks_of)  # [X']
     first_block = jnp.append(ends - blocks_of, num_blocks)  # [X' + 1]
@@ -243,21 +245,27 @@ def blocked_mixture(x, weights, pairs: SortedPairs, kernels: ExpertKernels) -> j
 def default_mixture(x, weights, experts, kernels: ExpertKernels, first_expert=0,
                     expert_shards=1) -> jax.Array:
     """The `LocalMixture` for XLA:CPU and XLA:GPU (any sharding of the "mlp" width: XLA
-    partitions it), by the bucket's R = T * K pairs over X experts in all:
+    partitions it), by the bucket's T tokens and R = T * K pairs over X experts in all (X'
+    of them here):
     - R * 4 <= X (a decode step of a row or two): `gathered_mixture`, the weights of K
       experts a token;
-    - otherwise, with m = ceil(R / X) the rows an expert gets on average:
-      `capacity_mixture` with a capacity of 2m, or 4m while m < 16 (small buckets, whose
-      groups spread widely around m), the smallest that holds the busiest expert's rows;
-      when neither does, `blocked_mixture`. `lax.switch` runs only the branch taken."""
+    - otherwise `capacity_mixture` with the smallest capacity that holds the busiest
+      expert's rows, of: 2m and, while m < 16 (small buckets, whose groups spread widely
+      around their mean), 4m, where m = ceil(R / X) is the rows an expert gets on average;
+      then T (no expert gets a token twice, so T holds any routing) where X' * T rows are
+      no more than 2R; else `blocked_mixture`. `lax.switch` runs only the branch taken."""
+    tokens, top_k = experts.shape
     all_experts = kernels.num_experts * expert_shards
     if experts.size * 4 <= all_experts:
         return gathered_mixture(x, weights, experts, kernels, first_expert)
     mean = -(-experts.size // all_experts)
-    capacities = [2 * mean] + ([4 * mean] if mean < 16 else [])
-    pairs = sort_pairs(experts, kernels.num_experts, first_expert)
+    capacities = sorted({min(c, tokens) for c in [2 * mean] + [4 * mean] * (mean < 16)})
+    if capacities[-1] < tokens and kernels.num_experts * tokens <= 2 * experts.size:
+        capacities.append(tokens)
     branches = [functools.partial(capacity_mixture, capacity=c) for c in capacities]
-    branches.append(blocked_mixture)
+    if capacities[-1] < tokens:
+        branches.append(blocked_mixture)
+    pairs = sort_pairs(experts, kernels.num_experts, first_expert)
     busiest = jnp.max(pairs.group_sizes)
     index = jnp.searchsorted(jnp.asarray(capacities), busiest)  # first capacity >= busiest
     return jax.lax.switch(index, branches, x, weights, pairs, kernels)
