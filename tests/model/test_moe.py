@@ -190,8 +190,9 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
     in interpret mode) over 4 devices: tensor-parallel experts (each device holds a quarter
     of every expert) and expert parallelism (`enable_expert_parallel`: each device holds one
     whole expert of Mixtral's 4 and computes only the tokens routed to it). The routers
-    decide the tokens: with them zeroed, transformers' own tokens change. The engine's
-    expert load equals transformers' routers' choices over the same tokens."""
+    decide the tokens: with them zeroed, transformers' own tokens change. Each token's
+    log-probability equals transformers', and the engine's expert load equals
+    transformers' routers' choices over the same tokens."""
     hf_model = build_model(name, tmp_path, head_dim=64, num_layers=2,
                            num_attention_heads=4, num_key_value_heads=4)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, scan_layers=True,
@@ -200,17 +201,22 @@ def test_stacked_experts_over_tp4_match_transformers(name, expert_parallel, tmp_
     spec = tuple(gate.sharding.spec) + (None,) * 4
     assert spec[:4] == ((None, "model", None, None) if expert_parallel else
                         (None, None, None, "model"))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     expected = [transformers_greedy(hf_model, p, 12) for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     # the expert load: every token the engine ran (prompt, then each output but the last)
-    # through transformers' routers, counted per layer and expert
+    # through transformers' routers, counted per layer and expert; and each output token's
+    # log-probability against transformers' log-softmax at its position
     load = np.zeros_like(llm.engine.expert_load())
-    for prompt, output in zip(PROMPTS, expected):
+    for prompt, output, ours in zip(PROMPTS, expected, outputs):
         with torch.no_grad():
-            routers = hf_model(torch.tensor([prompt + output[:-1]]),
-                               output_router_logits=True).router_logits  # L x [T, X]
+            hf_out = hf_model(torch.tensor([prompt + output[:-1]]), output_router_logits=True)
+        logprobs = torch.log_softmax(hf_out.logits[0, len(prompt) - 1:].float(), -1)
+        want = logprobs[torch.arange(len(output)), torch.tensor(output)].numpy()
+        got = [step[token] for step, token in zip(ours.outputs[0].logprobs, output)]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        routers = hf_out.router_logits  # L x [T, X]
         for layer, logits in enumerate(routers):
             chosen = torch.topk(logits.float(), hf_model.config.num_experts_per_tok).indices
             load[layer] += np.bincount(chosen.reshape(-1).numpy(), minlength=load.shape[1])
