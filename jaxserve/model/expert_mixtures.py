@@ -31,8 +31,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.quantization import quantize
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +39,8 @@ class ExpertKernels:
     `[X, I, E]` in the compute dtype, or quantized: int8/fp8 codes with float32 scales
     `gate_scale`, `up_scale` `[X, I]` and `down_scale` `[X, E]`, one per expert and output
     channel (None when not quantized); gpt-oss's `gate_bias`, `up_bias` `[X, I]` (None:
-    none; the down projection's bias is added outside the mixtures, once per token); the
-    activation (`MoEConfig.activation`, static); and `quantized_activations`, the method
-    ("int8"/"fp8") the rows are quantized with, per row, before each product of quantized
-    kernels (`--quantize-activations`; None: they are not). A pytree, so it passes through
+    none; the down projection's bias is added outside the mixtures, once per token); and
+    the activation (`MoEConfig.activation`, static). A pytree, so it passes through
     `shard_map` and `platform_dependent` whole."""
 
     gate: jax.Array
@@ -58,8 +54,6 @@ class ExpertKernels:
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
     swiglu_alpha: float = dataclasses.field(default=1.702, metadata=dict(static=True))
     swiglu_limit: float = dataclasses.field(default=7.0, metadata=dict(static=True))
-    quantized_activations: str | None = dataclasses.field(default=None,
-                                                          metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -99,9 +93,7 @@ def grouped_mlp(matmul, rows, group_sizes, kernels: ExpertKernels, row_expert
                 ) -> jax.Array:
     """The experts' gated MLP with a grouped matmul `matmul(lhs [M, K], rhs [G, K, N],
     group_sizes [G]) -> [M, N]` (`jax.lax.ragged_dot`'s signature) over `rows` `[R, E]`,
-    grouped by expert; `row_expert` `[R]` is each row's expert (for scales and biases).
-    The kernels are widened to the rows' dtype (megablox `gmm` takes bfloat16/float32
-    only), so `kernels.quantized_activations` does not apply here."""
+    grouped by expert; `row_expert` `[R]` is each row's expert (for scales and biases)."""
 
     def product(lhs, kernel, scale, bias=None):
         return scaled(matmul(lhs, kernel.astype(lhs.dtype), group_sizes), scale, row_expert,
@@ -169,21 +161,11 @@ def _owned_mlp(spec_in: str, spec_out: str, rows, kernels: ExpertKernels, owner
     """The gated MLP of `rows` `[N, ..., E]`, each leading slice through the experts `owner`
     `[N]` (their weights gathered; None: the leading axis is every expert in order, and the
     kernels are read in place): `spec_in` / `spec_out` the einsums of gate/up and of down
-    over kernels `[N, E, I]` / `[N, I, E]`. With `kernels.quantized_activations` the rows,
-    then the gated activations, are quantized per row, as `quantization.project` does for
-    dense layers."""
+    over kernels `[N, E, I]` / `[N, I, E]`."""
 
     def product(spec, lhs, kernel, scale, bias=None):
         weight = kernel if owner is None else kernel[owner]
-        method = kernels.quantized_activations
-        if method is None or scale is None:
-            return scaled(jnp.einsum(spec, lhs, weight.astype(lhs.dtype)), scale, owner, bias)
-        # each row's codes and scale: int8 x int8 (or fp8 x fp8) on the platform's units
-        codes, row_scale = quantize(lhs, method, (lhs.ndim - 1,), xp=jnp)  # [..., in], [...]
-        out = jnp.einsum(spec, codes, weight, preferred_element_type=(
-            jnp.int32 if method == "int8" else jnp.float32))  # [..., out]
-        out = out.astype(jnp.float32) * row_scale[..., None]
-        return scaled(out, scale, owner, bias).astype(lhs.dtype)
+        return scaled(jnp.einsum(spec, lhs, weight.astype(lhs.dtype)), scale, owner, bias)
 
     h = kernels.glu(product(spec_in, rows, kernels.gate, kernels.gate_scale, kernels.gate_bias),
                     product(spec_in, rows, kernels.up, kernels.up_scale, kernels.up_bias))

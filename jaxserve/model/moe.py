@@ -24,9 +24,8 @@ experts, split among the devices.
 Quantized models (`ModelConfig.quantization`) store the experts' kernels as int8/fp8 codes
 with one float32 scale per expert and output channel (`ExpertKernels`); every mixture widens
 the codes it multiplies to the compute dtype and scales each row's result by its expert's
-scales. The router stays in the compute dtype. With `quantize_activations` the CPU/GPU
-mixtures quantize each row too and multiply codes by codes; TPU's megablox `gmm` takes
-bfloat16 only, so there the experts' activations stay unquantized.
+scales. The router stays in the compute dtype, and the experts' activations are not
+quantized (`quantize_activations` applies to attention and dense MLPs).
 """
 
 from __future__ import annotations
@@ -120,9 +119,6 @@ class SparseMoE(nnx.Module):
             cfg, "down_proj", rngs, (x, i, e), dtype, (held, width, "embed"))
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.moe = moe
-        quant = cfg.quantization
-        self.quantized_activations = (quant.method if quant is not None and quant.activations
-                                      else None)
         self.correction_bias = (param((x,), ("experts",), jnp.float32)
                                 if moe.scoring == "sigmoid" else None)
         self.shared = (shared_mlp(moe.intermediate_size * moe.shared_experts)
@@ -169,5 +165,4 @@ class SparseMoE(nnx.Module):
         return ExpertKernels(*(value(getattr(self, name)) for name in (
             "gate_proj", "up_proj", "down_proj", "gate_proj_scale", "up_proj_scale",
             "down_proj_scale", "gate_bias", "up_bias")), activation=self.moe.activation,
-            swiglu_alpha=self.moe.swiglu_alpha, swiglu_limit=self.moe.swiglu_limit,
-            quantized_activations=self.quantized_activations)
+            swiglu_alpha=self.moe.swiglu_alpha, swiglu_limit=self.moe.swiglu_limit)

@@ -1,9 +1,8 @@
 """The ways (token, expert) pairs run through a mixture's experts
 (`jaxserve.model.expert_mixtures`) against a numpy loop over the pairs: each mixture alone
 on one device's share of the experts (pairs routed elsewhere add nothing, one expert held
-here gets no pair), plain, int8, and with activations quantized per row; and
-`default_mixture` in each regime its rule names (each case's busiest expert checked against
-the capacities counted by hand)."""
+here gets no pair), plain and int8; and `default_mixture` in each regime its rule names
+(each case's busiest expert checked against the capacities counted by hand)."""
 
 import jax
 import jax.numpy as jnp
@@ -29,24 +28,15 @@ def routing(tokens: int, num_experts: int, case: str, rng) -> np.ndarray:
     return np.stack([first, second], axis=1).astype(np.int32)
 
 
-def numpy_mixture(x, weights, experts, gate, up, down, activations=None) -> np.ndarray:
-    """Each token's pairs held here (experts FIRST .. FIRST + len(gate)), one at a time;
-    `activations` ("int8"/"fp8"): each matmul's input row quantized first, as the values
-    its codes and scale stand for."""
-
-    def row(v):
-        if activations is None:
-            return v.astype(np.float64)
-        codes, scale = quantize(v[None], activations, (1,))
-        return dequantize(codes, scale, (1,))[0].astype(np.float64)
-
-    out = np.zeros(x.shape, np.float64)
+def numpy_mixture(x, weights, experts, gate, up, down) -> np.ndarray:
+    """Each token's pairs held here (experts FIRST .. FIRST + len(gate)), one at a time."""
+    out = np.zeros_like(x)
     for t in range(len(x)):
         for w, e in zip(weights[t], experts[t]):
             j = e - FIRST
             if 0 <= j < len(gate):
-                g, u = row(x[t]) @ gate[j], row(x[t]) @ up[j]
-                out[t] += w * (row(g / (1 + np.exp(-g)) * u) @ down[j])
+                g, u = x[t] @ gate[j], x[t] @ up[j]
+                out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[j])
     return out
 
 
@@ -61,23 +51,19 @@ def layer(tokens: int, case: str, held: int, num_experts: int, method=None, seed
         (held, HIDDEN, WIDTH), (held, HIDDEN, WIDTH), (held, WIDTH, HIDDEN))]
     if method is None:
         kernels = ExpertKernels(*map(jnp.asarray, floats))
-    else:  # "int8", "fp8", or with "+activations" quantized per row too
-        method, _, activations = method.partition("+")
+    else:
         quantized = [quantize(w, method, (1,)) for w in floats]
         floats = [dequantize(codes, scale, (1,)) for codes, scale in quantized]
         kernels = ExpertKernels(*(jnp.asarray(c) for c, _ in quantized),
-                                *(jnp.asarray(s) for _, s in quantized),
-                                quantized_activations=method if activations else None)
+                                *(jnp.asarray(s) for _, s in quantized))
     return x, weights, experts, kernels, floats
 
 
-@pytest.mark.parametrize("method", [None, "int8", "int8+activations", "fp8+activations"])
+@pytest.mark.parametrize("method", [None, "int8"])
 @pytest.mark.parametrize("mixture", ["gathered", "capacity", "blocked"])
 def test_each_mixture_matches_the_pair_loop(mixture, method):
     """30 tokens routed over 8 experts, 4 of them held here, expert 3 every token's first
-    choice and 5 nobody's. The capacity is exactly the busiest held expert's rows (30).
-    Quantized kernels, and quantized activations (`--quantize-activations`: codes times
-    codes) against the values their codes stand for."""
+    choice and 5 nobody's. The capacity is exactly the busiest held expert's rows (30)."""
     x, weights, experts, kernels, floats = layer(30, "one_takes_all", 4, 8, method)
     args = (jnp.asarray(x), jnp.asarray(weights))
     pairs = sort_pairs(jnp.asarray(experts), 4, FIRST)
@@ -86,9 +72,8 @@ def test_each_mixture_matches_the_pair_loop(mixture, method):
     run = {"gathered": lambda: gathered_mixture(*args, jnp.asarray(experts), kernels, FIRST),
            "capacity": lambda: capacity_mixture(*args, pairs, kernels, capacity=30),
            "blocked": lambda: blocked_mixture(*args, pairs, kernels)}[mixture]
-    activations = kernels.quantized_activations
     np.testing.assert_allclose(np.asarray(jax.jit(run)()),
-                               numpy_mixture(x, weights, experts, *floats, activations),
+                               numpy_mixture(x, weights, experts, *floats),
                                rtol=1e-4, atol=1e-4)
 
 
