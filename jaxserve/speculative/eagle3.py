@@ -381,7 +381,8 @@ def propose(head: Eagle3Head, head_attention, target, caches, pending: Pending, 
     cache write in the program): first the pending tokens (positions `position - count + 1
     .. position`) with the target's states, writing their K/V; the head's output at the last
     of them drafts the first token; then each draft is fed back with the head's own output,
-    k - 1 times."""
+    k - 1 times. The loop runs as many steps as the row with the most pending tokens needs
+    (k of them after a round that kept one token per row, 2k after one that kept k + 1)."""
     rows, width = pending.tokens.shape
     row = jnp.arange(rows)
     start = position - pending.count + 1  # [S]
@@ -411,6 +412,6 @@ def propose(head: Eagle3Head, head_attention, target, caches, pending: Pending, 
     zeros = jnp.zeros((rows,), jnp.int32)
     hidden = jnp.zeros((rows, head.config.hidden_size), head.compute_dtype)
     drafts = jnp.zeros((rows, k), jnp.int32)
-    _, _, drafts, caches = jax.lax.fori_loop(0, width + k - 1, step,
-                                             (zeros, hidden, drafts, caches))
+    steps = jnp.max(jnp.where(active, pending.count, 1)) + k - 1  # <= width + k - 1
+    _, _, drafts, caches = jax.lax.fori_loop(0, steps, step, (zeros, hidden, drafts, caches))
     return drafts, caches

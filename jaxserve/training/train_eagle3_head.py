@@ -5,17 +5,20 @@ reads (`jaxserve.speculative.eagle3`).
     pip install jaxserve[train]               # optax
     python -m jaxserve.training.train_eagle3_head --out /tmp/austen-eagle3
 
-The head learns what the model itself would say: its text is the model's own sampled
-continuations (temperature 1) of short prompts cut from `--prompts-file` (the shipped
-model's `heldout.txt`), and its label at every position is the model's greedy next token
-there. Each step trains two draft steps, as a round uses the head (EAGLE-3's training-time
-test, simplified):
-1. at position t: (token t, the model's joined hidden state at t - 1) → the model's next
-   token at t;
-2. at position t + 1: (that label, the head's own output at t) → the model's next token at
-   t + 1.
-Both passes attend causally within their own pass (at serving time the second one also
-sees the first pass's keys; the difference only lowers acceptance a little).
+The head learns what the model itself would say: its text is the model's own continuations
+of short prompts, greedy for `--greedy-fraction` of them (the text a greedy request sees), sampled at temperature 1 for
+the rest. The prompts are cut from `--prompts-file` if given, else from text the model
+samples from its start token alone, so that no text a benchmark prompts with (the shipped
+model's `heldout.txt`) is trained on. Its label at every position is the model's greedy next
+token there. Each step
+trains `--passes` draft steps as a round runs them (EAGLE-3's training-time test), for every
+start position of a text at once:
+1. pass 0 at position c: (token c, the model's joined hidden state at c - 1) → the model's
+   next token at c;
+2. pass j at position c + j: (the model's token there, the head's own output of pass j - 1)
+   → the model's next token at c + j, attending to pass 0's keys up to c and to passes
+   1..j's keys of the same chain (`draft_chains.ChainAttention`), as the serving head's cache
+   holds them in a round.
 
 The draft vocabulary is the `--draft-vocab-size` tokens the model predicts most often in the
 generated text (`d2t` maps them back); progress (loss, accuracy of each pass) is printed.
@@ -38,6 +41,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.attention.dense import DenseAttention
 from jaxserve.speculative.eagle3 import Eagle3Config, Eagle3Head
+from jaxserve.training.draft_chains import ChainAttention
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,14 +50,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="the head's output folder")
     p.add_argument("--model", type=Path, default=shipped, help="the target model's folder")
-    p.add_argument("--prompts-file", type=Path, default=shipped / "heldout.txt")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="text to cut prompts from (default: the model's own samples)")
     p.add_argument("--sequences", type=int, default=512, help="generated texts")
+    p.add_argument("--greedy-fraction", type=float, default=0.5,
+                   help="share of the texts the model continues greedily (the rest: sampled)")
     p.add_argument("--prompt-len", type=int, default=12)
     p.add_argument("--length", type=int, default=128, help="tokens per generated text")
     p.add_argument("--aux-layers", type=int, nargs=3, default=None,
                    help="target layers whose inputs the head reads (default: 1, L/2, L-1)")
     p.add_argument("--draft-vocab-size", type=int, default=1024)
     p.add_argument("--intermediate-size", type=int, default=512)
+    p.add_argument("--passes", type=int, default=3,
+                   help="draft steps trained per position (a round's num_speculative_tokens)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -62,14 +71,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def generate_texts(llm, args, rng) -> np.ndarray:
-    """`[N, length]` token ids: prompts cut from the prompts file, continued by the model."""
+    """`[N, length]` token ids: prompts cut from the prompts file, continued by the model
+    (greedily for the first `greedy_fraction` of them)."""
     from jaxserve.sampling_params import SamplingParams
 
-    ids = llm.tokenizer.encode(args.prompts_file.read_text())
+    if args.prompts_file is not None:
+        ids = llm.tokenizer.encode(args.prompts_file.read_text())
+    else:  # the model's own text, sampled from its start token
+        start = [{"prompt_token_ids": llm.tokenizer.encode("")}] * 128
+        samples = llm.generate(start, [SamplingParams(temperature=1.0, seed=1_000_000 + i,
+                                                      max_tokens=args.length)
+                                       for i in range(len(start))])
+        ids = [t for o in samples for t in o.outputs[0].token_ids]
     starts = rng.integers(0, len(ids) - args.prompt_len, args.sequences)
     prompts = [{"prompt_token_ids": ids[s:s + args.prompt_len]} for s in starts]
-    params = [SamplingParams(temperature=1.0, seed=int(i), ignore_eos=True,
-                             max_tokens=args.length - args.prompt_len)
+    greedy = int(args.sequences * args.greedy_fraction)
+    params = [SamplingParams(temperature=0.0 if i < greedy else 1.0, seed=int(i),
+                             ignore_eos=True, max_tokens=args.length - args.prompt_len)
               for i in range(args.sequences)]
     outputs = llm.generate(prompts, params)
     return np.asarray([p["prompt_token_ids"] + list(o.outputs[0].token_ids)
@@ -112,30 +130,32 @@ def head_config(target, args, aux_layers) -> tuple[dict, Eagle3Config]:
 
 
 def train(head: Eagle3Head, target, tokens, labels, states, draft_of, args, rng):
-    """AdamW on both passes' cross-entropy over the draft vocabulary; labels outside it are
-    skipped. Prints loss and each pass's accuracy every 50 steps."""
+    """AdamW on the mean of every pass's cross-entropy over the draft vocabulary; labels
+    outside it are skipped. Prints loss and each pass's accuracy every 50 steps."""
     embed = jnp.asarray(target.embed[...], jnp.float32)
     optimizer = nnx.Optimizer(head, optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, 50, args.steps, args.lr / 10), weight_decay=0.01), wrt=nnx.Param)
 
     def loss_fn(head, tok, aux, lab):
+        # tok, lab [B, L]; aux [B, L, 3Et]. Pass j's arrays have L - j rows, one per chain.
         positions = jnp.broadcast_to(jnp.arange(tok.shape[1]), tok.shape)
-        attention = DenseAttention(positions)
         joined = head.joined(aux)  # [B, L, E]
-        before = jnp.concatenate([jnp.zeros_like(joined[:, :1]), joined[:, :-1]], axis=1)
-        first, _, _ = head(embed[tok], before, positions, [None], attention)
-        second, _, _ = head(embed[lab[:, :-1]], first[:, :-1], positions[:, 1:], [None],
-                            DenseAttention(positions[:, 1:]))
+        state = jnp.concatenate([jnp.zeros_like(joined[:, :1]), joined[:, :-1]], axis=1)
+        inputs, cache = tok, ()
         total, right = 0.0, []
-        for out, want in ((first, lab), (second, lab[:, 1:])):
-            target_ids = draft_of[want]  # [B, L] (-1: not in the draft vocabulary)
+        for j in range(args.passes):
+            chains = tok.shape[1] - j
+            out, _, (cache,) = head(embed[inputs], state, positions[:, j:], [cache],
+                                    ChainAttention())  # out [B, L - j, E]
+            target_ids = draft_of[lab[:, j:]]  # [B, L - j] (-1: not in the draft vocabulary)
             logits = head.draft_logits(out)
             ce = optax.softmax_cross_entropy_with_integer_labels(
                 logits, jnp.maximum(target_ids, 0))
             mask = target_ids >= 0
             total = total + jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1)
             right.append(jnp.mean(jnp.argmax(logits, -1) == target_ids))
-        return total, right
+            inputs, state = lab[:, j:j + chains - 1], out[:, :-1]  # the next pass's rows
+        return total / args.passes, right
 
     @nnx.jit
     def step(head, optimizer, tok, aux, lab):
@@ -149,8 +169,8 @@ def train(head: Eagle3Head, target, tokens, labels, states, draft_of, args, rng)
         loss, right = step(head, optimizer, jnp.asarray(tokens[pick]),
                            jnp.asarray(states[pick]), jnp.asarray(labels[pick]))
         if i % 50 == 0 or i == args.steps:
-            print(f"step {i}/{args.steps}: loss {float(loss):.3f}, accuracy of draft 1 "
-                  f"{float(right[0]):.3f}, draft 2 {float(right[1]):.3f} "
+            accuracy = ", ".join(f"draft {j + 1} {float(r):.3f}" for j, r in enumerate(right))
+            print(f"step {i}/{args.steps}: loss {float(loss):.3f}, accuracy of {accuracy} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
 
 
