@@ -183,9 +183,9 @@ def test_heads_that_cannot_draft_are_refused(folder, tmp_path):
 def test_the_shipped_head_drafts_for_the_shipped_model(tp):
     """Without a `model`, the shipped model drafts with the head that ships beside it
     (`jaxserve.training.train_eagle3_head`). On Austen's prose its first proposal of a round
-    is the model's own next token two times in three (66% measured here); fed the round's
-    hidden states one position off it is right 41% of the time, so this checks that the
-    rounds hand the head the states it was trained on. At tp=4 (slow step) the target's 2
+    is the model's own next token 72% of the time (measured here); fed the round's hidden
+    states one position off it is right 53% of the time, so this checks that the rounds
+    hand the head the states it was trained on. At tp=4 (slow step) the target's 2
     kv heads and the head's are each stored twice and the head's attention splits over the
     devices like the target's: as many drafts accepted, and the target's own tokens."""
     from jaxserve.default_model import DEFAULT_MODEL_DIR
@@ -201,7 +201,7 @@ def test_the_shipped_head_drafts_for_the_shipped_model(tp):
     outputs = llm.generate(prompts, params)
     counters = llm.engine.metrics.snapshot()["counters"]
     first = counters["spec_decode_num_accepted_tokens_per_pos:0"]
-    assert first / counters["spec_decode_num_drafts"] > 0.55, counters
+    assert first / counters["spec_decode_num_drafts"] > 0.65, counters
     if tp > 1:
         plain = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", progress=False, **options)
         assert tokens(outputs) == tokens(plain.generate(prompts, params))
