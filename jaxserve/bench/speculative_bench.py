@@ -5,7 +5,10 @@ Workloads (prompts of `--prompt-len` tokens, `--output-len` new tokens each, gre
 `--temperature`):
 - `copy`: a passage followed by its first tokens again, so that a model which copies (code
   edits, summaries that quote) continues it; prompt lookup finds the passage;
-- `random`: random tokens.
+- `random`: random tokens;
+- `text` (with `--prompts-file`): prompts cut from a text file at evenly spaced offsets,
+  in the model's tokens, for a draft trained on text like it (the shipped model's
+  `heldout.txt` for its EAGLE-3 head).
 For each concurrency c in `--concurrency`, `--rounds` groups of c prompts are generated, each
 group all at once. Reported per (workload, c): output tokens/s with and without speculation,
 the speed-up, TPOT p50/p99 (each request's mean time per output token after its first), and
@@ -26,6 +29,7 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="groups of `concurrency` prompts per measurement")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompts-file", default=None,
+                        help="a text file: adds the `text` workload, prompts cut from it")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -51,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an engine option for both engines (repeatable)")
 
 
-def workloads(args, vocab: int, rng: np.random.Generator) -> dict[str, list[list[int]]]:
+def workloads(args, tokenizer, vocab: int,
+              rng: np.random.Generator) -> dict[str, list[list[int]]]:
     """name → prompts, enough for the largest concurrency's rounds."""
     count = max(args.concurrency) * args.rounds
     passage = args.prompt_len - args.prompt_len // 4
@@ -60,7 +67,22 @@ def workloads(args, vocab: int, rng: np.random.Generator) -> dict[str, list[list
         text = rng.integers(3, vocab, passage).tolist()
         copies.append(text + text[:args.prompt_len - passage])
     plain = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(count)]
-    return {"copy": copies, "random": plain}
+    out = {"copy": copies, "random": plain}
+    if args.prompts_file is not None:
+        out["text"] = text_prompts(args.prompts_file, tokenizer.encode, args.prompt_len, count)
+    return out
+
+
+def text_prompts(path: str, encode, length: int, count: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens of the file at `path` (`encode`: text → token
+    ids, the model's tokenizer), at evenly spaced offsets, overlapping where the file is
+    short."""
+    ids = list(encode(Path(path).read_text()))
+    if len(ids) < length:
+        raise ValueError(f"--prompts-file: {path} has {len(ids)} tokens, fewer than "
+                         f"--prompt-len {length}")
+    stride = (len(ids) - length) / max(count - 1, 1)
+    return [ids[round(i * stride):round(i * stride) + length] for i in range(count)]
 
 
 def measure(llm, prompts: list[list[int]], concurrency: int, params) -> dict:
@@ -92,6 +114,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
     spec = json.loads(args.speculative_config)
+    if args.prompts_file is not None and not Path(args.prompts_file).is_file():
+        raise ValueError(f"--prompts-file: no file at {args.prompts_file}")
     options = parse_engine_options(args.engine_option)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True, seed=args.seed if args.temperature else None)
@@ -101,7 +125,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         for label, extra in (("plain", {}), ("speculative", {"speculative_config": spec})):
             print(f"{label} engine ({extra or 'no speculation'}) ...", flush=True)
             llm = LLM(folder, dtype=args.dtype, **options, **extra)
-            work = workloads(args, llm.config.vocab_size, np.random.default_rng(args.seed))
+            work = workloads(args, llm.tokenizer, llm.config.vocab_size,
+                             np.random.default_rng(args.seed))
             llm.generate([{"prompt_token_ids": work["random"][0]}], params)  # first runs
             for name, prompts in work.items():
                 for c in args.concurrency:
@@ -122,7 +147,7 @@ def _report(args, spec: dict, results: dict) -> None:
     print(f"{'workload':<8}{'conc':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speed-up':>10}"
           f"{'TPOT p50/p99 plain (ms)':>26}{'spec (ms)':>18}{'accepted':>10}")
     slower = []
-    for name in ("copy", "random"):
+    for name in sorted({name for _, name, _ in results}, key=("copy", "random", "text").index):
         for c in args.concurrency:
             plain, spec_run = results["plain", name, c], results["speculative", name, c]
             gain = spec_run["tokens_per_s"] / plain["tokens_per_s"]
