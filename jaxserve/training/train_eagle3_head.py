@@ -6,13 +6,13 @@ reads (`jaxserve.speculative.eagle3`).
     python -m jaxserve.training.train_eagle3_head --out /tmp/austen-eagle3
 
 The head learns what the model itself would say: its text is the model's own continuations
-of short prompts, greedy for `--greedy-fraction` of them (the text a greedy request sees), sampled at temperature 1 for
-the rest. The prompts are cut from `--prompts-file` if given, else from text the model
-samples from its start token alone, so that no text a benchmark prompts with (the shipped
-model's `heldout.txt`) is trained on. Its label at every position is the model's greedy next
-token there. Each step
-trains `--passes` draft steps as a round runs them (EAGLE-3's training-time test), for every
-start position of a text at once:
+of short prompts, greedy for `--greedy-fraction` of them (the text a greedy request sees),
+sampled at temperature 1 for the rest. The prompts are cut from `--prompts-file` if given,
+else from text the model samples from its start token alone, so that no text a benchmark
+prompts with (the shipped model's `heldout.txt`) is trained on. Its label at every
+position is the model's greedy next token there. Each step trains `--passes` draft steps as
+a round runs them (EAGLE-3's training-time test), for every start position of a text at
+once:
 1. pass 0 at position c: (token c, the model's joined hidden state at c - 1) → the model's
    next token at c;
 2. pass j at position c + j: (the model's token there, the head's own output of pass j - 1)
