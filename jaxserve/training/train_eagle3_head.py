@@ -71,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def generate_texts(llm, args, rng) -> np.ndarray:
-    """`[N, length]` token ids: prompts cut from the prompts file, continued by the model
-    (greedily for the first `greedy_fraction` of them)."""
+    """`[N, length]` token ids: prompts cut from the prompts file (or from 128 texts the
+    model samples from its start token), continued by the model (greedily for the first
+    `greedy_fraction` of them)."""
     from jaxserve.sampling_params import SamplingParams
 
     if args.prompts_file is not None:
