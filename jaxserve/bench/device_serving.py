@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.device_check import error_text
 
 # The model shapes: Llama-3.1-8B (the shipped reference shape), Qwen3-30B-A3B for the
 # mixture-of-experts variant, and for --quick, tiny ones.
@@ -64,7 +63,9 @@ PRESET_BY_DEVICE = {"H200": "h200-1", "H100": "h100-1", "A100": "a100-80g-1",
 # The variants measured: the preset as it is, then int8 weights with an fp8 KV cache, then
 # n-gram speculation at the smallest and a middle batch (random weights: its cost side; the
 # acceptance a model's real text gets needs real weights).
-VARIANTS = {"bf16": {}, "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
+FIRST_VARIANT = "bf16_short"
+VARIANTS = {FIRST_VARIANT: {}, "bf16": {},
+            "int8_fp8kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
             "ngram_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 4,
                                                   "prompt_lookup_min": 2}}}
@@ -89,6 +90,9 @@ class Workload:
 
 
 FULL = Workload(batches=(1, 16, 64, 256), prompt_len=1024, new_tokens=128)
+# The first serving figure of a run, before the kernels: the plain variant at batch 1 and 64
+# on short prompts, so a rental cut short still says whether and how fast jaxserve serves.
+SHORT = Workload(batches=(1, 64), prompt_len=128, new_tokens=64)
 QUICK = Workload(batches=(1, 4), prompt_len=24, new_tokens=8)
 # --quick rehearses on CPU, where each program compiles for seconds: one rung of tokens per
 # step (4 prompts of 24 run as chunks) keeps each engine to a step and a decode program per
@@ -245,60 +249,60 @@ def run_batch(engine, batch: int, work: Workload, rng, loras: list | None = None
                if engine.config.speculative_config is not None else {})}
 
 
-def measure_serving(add: Callable[[dict], None], copy_gbps: float, quick: bool,
-                    deadline: float, progress: bool) -> None:
-    """Every variant at every batch size; each row handed to `add` as it is measured. Rows
-    past `deadline` (time.perf_counter) are recorded as skipped."""
-    work = QUICK if quick else FULL
+def measure_variant(variant: str, add: Callable[[dict], None], copy_gbps: float | None,
+                    quick: bool, deadline: float, progress: bool) -> None:
+    """One variant at each of its batch sizes; each row handed to `add` as it is measured.
+    Rows past `deadline` (time.perf_counter) are recorded as skipped. A failure is recorded
+    in a row with its whole traceback, and the variant ends there."""
+    from jaxserve.bench.device_stages import failure_row
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown serving variant {variant!r}; variants: {list(VARIANTS)}")
+    overrides = VARIANTS[variant]
+    work = QUICK if quick else SHORT if variant == FIRST_VARIANT else FULL
     rng = np.random.default_rng(0)
-    for variant, overrides in VARIANTS.items():
+    config = model_config(quick, overrides.get("model", MODEL_SHAPE))
+    overrides = {k: v for k, v in overrides.items() if k != "model"}
+    windowed = any(window is not None for window in config.layer_windows)
+    if windowed and not quick:  # the sliding variant's prompts span several windows
+        work = dataclasses.replace(work, prompt_len=WINDOW_PROMPT_LEN)
+    elif quick:
+        overrides = {k: v for k, v in overrides.items() if k not in FULL_ONLY}
+    # every variant of a run the same ladder of rows (bf16 reads bf16_short's programs back)
+    options = {"max_num_seqs": max((QUICK if quick else FULL).batches),
+               **(QUICK_LADDER if quick else {}), **overrides}
+    try:
+        started = time.perf_counter()
+        engine, used, weight_bytes = build_engine(config, options, progress)
+        build_s = time.perf_counter() - started
+        run_batch(engine, 1, dataclasses.replace(work, new_tokens=2), rng)  # first runs
+    except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+        add({"variant": variant, **failure_row(err)})
+        return
+    runs = [(batch, None) for batch in work.batches]
+    if "speculative_config" in overrides or config.moe is not None or windowed:
+        runs = runs[:SPEC_BATCHES]
+    if overrides.get("enable_lora"):
+        adapters = random_adapters(engine, LORA_SLOTS, rng)
+        batch = max(work.batches[-2], LORA_SLOTS)  # room for every adapter
+        runs = [(batch, adapters[:count]) for count in (0, 1, LORA_SLOTS)]
+    for batch, loras in runs:
+        row = {"variant": variant, "model": config.model_type, "batch": batch,
+               "prompt_len": work.prompt_len, "new_tokens": work.new_tokens,
+               "weight_bytes": weight_bytes, "build_s": round(build_s, 1),
+               "options": {k: used[k] for k in sorted(used) if k in options},
+               **({} if loras is None else {"adapters": len(loras)})}
         if time.perf_counter() > deadline:
-            add({"variant": variant, "skipped": "time budget spent"})
+            add({**row, "skipped": "time budget spent"})
             continue
-        config = model_config(quick, overrides.get("model", MODEL_SHAPE))
-        overrides = {k: v for k, v in overrides.items() if k != "model"}
-        windowed = any(window is not None for window in config.layer_windows)
-        this_work = work  # the sliding variant's prompts span several windows
-        if windowed and not quick:
-            this_work = dataclasses.replace(work, prompt_len=WINDOW_PROMPT_LEN)
-        elif quick:
-            overrides = {k: v for k, v in overrides.items() if k not in FULL_ONLY}
-        options = {"max_num_seqs": max(work.batches), **(QUICK_LADDER if quick else {}),
-                   **overrides}
         try:
-            started = time.perf_counter()
-            engine, used, weight_bytes = build_engine(config, options, progress)
-            build_s = time.perf_counter() - started
-            run_batch(engine, 1, dataclasses.replace(this_work, new_tokens=2), rng)  # first runs
+            numbers = run_batch(engine, batch, work, rng, loras)
         except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-            add({"variant": variant, "error": error_text(err)})
+            add({**row, **failure_row(err)})
             continue
-        runs = [(batch, None) for batch in this_work.batches]
-        if "speculative_config" in overrides or config.moe is not None or windowed:
-            runs = runs[:SPEC_BATCHES]
-        if overrides.get("enable_lora"):
-            adapters = random_adapters(engine, LORA_SLOTS, rng)
-            batch = max(this_work.batches[-2], LORA_SLOTS)  # room for every adapter
-            runs = [(batch, adapters[:count]) for count in (0, 1, LORA_SLOTS)]
-        for batch, loras in runs:
-            row = {"variant": variant, "model": config.model_type, "batch": batch,
-                   "prompt_len": this_work.prompt_len,
-                   "new_tokens": this_work.new_tokens, "weight_bytes": weight_bytes,
-                   "build_s": round(build_s, 1),
-                   "options": {k: used[k] for k in sorted(used) if k in options},
-                   **({} if loras is None else {"adapters": len(loras)})}
-            if time.perf_counter() > deadline:
-                add({**row, "skipped": "time budget spent"})
-                continue
-            try:
-                numbers = run_batch(engine, batch, this_work, rng, loras)
-            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-                add({**row, "error": error_text(err)})
-                continue
-            step_bytes = (weight_bytes - unread_expert_bytes(engine, batch)
-                          + batch * kv_bytes_read(engine, this_work.prompt_len
-                                                    + this_work.new_tokens / 2))
-            numbers["mbu"] = step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
-            add({**row, **{k: round(v, 4 if k in ("mbu", "acceptance") else 2)
-                           for k, v in numbers.items()}})
-        del engine
+        step_bytes = (weight_bytes - unread_expert_bytes(engine, batch)
+                      + batch * kv_bytes_read(engine, work.prompt_len + work.new_tokens / 2))
+        numbers["mbu"] = (step_bytes / (numbers["tpot_ms"] / 1e3) / (copy_gbps * 1e9)
+                          if copy_gbps else None)
+        add({**row, **{k: v if v is None else round(v, 4 if k in ("mbu", "acceptance") else 2)
+                       for k, v in numbers.items()}})

@@ -86,16 +86,23 @@ def one_start(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), *_model_args(args), *extra]
+    # the server's log goes to a file: a pipe nobody reads fills up and stalls the server
+    log = tempfile.TemporaryFile("w+")
     launched = time.perf_counter()
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                              text=True)
+
+    def log_end() -> str:
+        log.seek(0)
+        return log.read()[-2000:]
+
     try:
         while _get(f"{base}/health", timeout=1.0)[0] != 200:
             if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}): "
-                                   f"{server.stderr.read()[-2000:]}")
+                raise RuntimeError(f"the server exited ({server.returncode}): {log_end()}")
             if time.perf_counter() - launched > args.timeout:
-                raise RuntimeError(f"the server was not healthy within {args.timeout} s")
+                raise RuntimeError(f"the server was not healthy within {args.timeout} s; "
+                                   f"its log ends: {log_end()}")
             time.sleep(0.05)
         healthy = time.perf_counter() - launched
         _complete(base)
@@ -107,6 +114,7 @@ def one_start(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+        log.close()
     phases = {name: float(value) for name, value in _PHASE.findall(metrics)}
     from_cache, programs = _FROM_CACHE.search(metrics), _PROGRAMS.search(metrics)
     return {"healthy_s": healthy, "first_answer_s": answered, "phases": phases,

@@ -1,24 +1,30 @@
 """`jaxserve bench device --quick`: the command a lent accelerator runs first, rehearsed on
 CPU with tiny shapes so it cannot rot. Every section must be written with its fields, the
 kernels must agree with the reference, the warm start must read every program back, and the
-Markdown and plot must land beside the JSON."""
+Markdown and plot must land beside the JSON. A stage that fails is recorded with its whole
+traceback, and the stages after it still run."""
 
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+
+from jaxserve.bench import device_bench
 
 
 @pytest.mark.slow  # minutes: engines compile (CI's slow step)
 def test_quick_run_writes_every_section(tmp_path):
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "device", "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+                           "--out", str(out)], capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["quick"] and data["jax"] and data["sections"] == [
-        "device", "kernels", "serving", "startup"]
+    assert data["quick"] and data["jax"] and data["device_kind"] and data["sections"] == [
+        "device", "serving", "kernels", "startup"]
+    # the serving figure before the kernels: the order a rental must answer in
+    assert "== serving:bf16_short\n" in done.stdout.split("== kernels\n")[0]
 
     (device,) = data["device"]
     assert device["copy_gbps"] > 0 and device["matmul_bf16_tflops"] > 0
@@ -30,8 +36,8 @@ def test_quick_run_writes_every_section(tmp_path):
 
     serving = data["serving"]
     assert {(row["variant"], row["batch"], row.get("adapters")) for row in serving} == {
-        (variant, batch, None) for variant in ("bf16", "int8_fp8kv", "ngram_spec", "moe_int8",
-                                               "window_int8")
+        (variant, batch, None) for variant in ("bf16_short", "bf16", "int8_fp8kv", "ngram_spec",
+                                               "moe_int8", "window_int8")
         for batch in (1, 4)} | {("lora", 4, count) for count in (0, 1, 4)}
     assert {row["model"] for row in serving if row["variant"] == "moe_int8"} == {"qwen3_moe"}
     assert {row["model"] for row in serving if row["variant"] == "window_int8"} == {
@@ -58,3 +64,27 @@ def test_unknown_sections_are_refused():
                            "kernels,tokens"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--only: unknown section(s) ['tokens']" in done.stderr
+
+
+def test_a_failing_stage_is_recorded_whole_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A stage that fails in its own process: a row with the error and its whole traceback
+    (not a clipped message), and the parent goes on to the next stage."""
+    (row,) = device_bench.run_stage("serving:no_such_variant", quick=True, seconds=60,
+                                    copy_gbps=None)
+    assert row["error"].startswith("ValueError: unknown serving variant 'no_such_variant'")
+    assert "Traceback (most recent call last)" in row["traceback"]
+    assert "measure_variant" in row["traceback"]  # the frames, not only the message
+
+    monkeypatch.setenv("JAX_PLATFORMS", "no_such_platform")  # the backend cannot start
+    (row,) = device_bench.run_stage("device", quick=True, seconds=60, copy_gbps=None)
+    assert "no_such_platform" in row["error"] and "jax.devices()" in row["traceback"]
+
+
+def test_a_stage_past_its_time_is_stopped_and_recorded(monkeypatch):
+    """A stage that runs past its share and grace is killed, and the row says so."""
+    monkeypatch.setattr(device_bench, "GRACE_S", 0.0)
+    started = time.perf_counter()
+    rows = device_bench.run_stage("startup", quick=False, seconds=3, copy_gbps=None)
+    assert time.perf_counter() - started < 60
+    assert rows[-1]["error"].startswith("stopped after 3 s"), rows
+    assert rows[-1]["stage"] == "startup"
