@@ -43,6 +43,12 @@ from jaxserve.speculative.draft import draft_config, load_draft
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.lora.request import LoRARequest
+from jaxserve.platforms import choose_jax_platforms
+
+# As the command line does, before any backend starts: JAX looks only for the chips this host
+# has, so a CPU machine with the `aot` extra installed does not probe libtpu and the CUDA
+# plugin and print their failures.
+choose_jax_platforms()
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 

@@ -122,3 +122,22 @@ def test_bad_construction_is_a_clear_error(tmp_path):
         LLM(str(tmp_path), max_model_len=10_000)
     with pytest.raises(ValueError, match="page_size"):
         LLM(str(tmp_path), page_size=24)
+
+
+@pytest.mark.quick
+def test_the_python_api_probes_only_this_hosts_platforms():
+    """`from jaxserve import LLM` on a CPU machine with the `aot` extra (libtpu, the CUDA
+    plugin) installed, as the README's test command installs it: JAX starts its CPU backend
+    without probing the plugins, so nothing is printed (it printed 26 lines of TPU and cuDNN
+    failures when only the command line chose the platform)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", "from jaxserve import LLM\nimport jax\n"
+                           "print(jax.devices()[0].platform)"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cpu"
+    assert done.stderr == "", done.stderr
