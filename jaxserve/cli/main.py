@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxserve.engine import multihost
     from jaxserve.server.app import create_app
-    from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from
+    from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
     from jaxserve.server.state import ServerOptions, ServerState
 
     api_key = key_from(args.api_key, API_KEY_ENV, os.environ)
@@ -118,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_need_api_key and not api_key:
         raise ValueError("--metrics-need-api-key needs an API key (--api-key or "
                          "JAXSERVE_API_KEY: the key /metrics would ask)")
+    warn_if_open(args.host, api_key)
     chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
                                args.reasoning_parser)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)

@@ -16,6 +16,8 @@ which the app answers in OpenAI's error shape (401 `invalid_api_key`, 403
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 from collections.abc import Mapping
 from typing import Callable
 
@@ -23,6 +25,8 @@ from fastapi import Depends, Request
 
 API_KEY_ENV = ("JAXSERVE_API_KEY", "VLLM_API_KEY")  # first set wins, after the flag
 ADMIN_API_KEY_ENV = ("JAXSERVE_ADMIN_API_KEY",)
+
+log = logging.getLogger("jaxserve.server")
 
 
 class AuthError(Exception):
@@ -44,6 +48,18 @@ def key_from(flag: str | None, names: tuple[str, ...], environ: Mapping[str, str
     if flag:
         return flag
     return next((environ[name] for name in names if environ.get(name)), None)
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    """Log a warning when the server listens beyond this machine without an API key."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if api_key is None and not loopback:
+        log.warning(
+            "listening on %s without an API key: whoever reaches the port may use it (set "
+            "JAXSERVE_API_KEY or VLLM_API_KEY)", host)
 
 
 def has_key(request: Request, key: str) -> bool:

@@ -18,7 +18,7 @@ from jaxserve.fleet.fleet import ReloadError
 from jaxserve.server import auth, state as state_module
 from jaxserve.server.app import create_app
 from jaxserve.server.async_engine import EngineDeadError
-from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from
+from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
 from jaxserve.server.state import ServerOptions, ServerState
 
 pytestmark = pytest.mark.quick
@@ -137,6 +137,18 @@ def test_serve_reads_both_keys_from_the_environment(monkeypatch):
     with pytest.raises(Stop):
         _serve(build_parser().parse_args(["serve", "--port", "0"]))
     assert (given[0].api_key, given[0].admin_api_key) == ("from-vllm-env", "from-admin-env")
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server"):
+        for host, key in (("127.0.0.1", None), ("::1", None), ("localhost", None),
+                          ("0.0.0.0", KEY)):
+            warn_if_open(host, key)
+        assert not caplog.records
+        for host in ("0.0.0.0", "::", "10.1.2.3", "server.example"):
+            warn_if_open(host, None)
+    assert [host in r.getMessage() for r, host in zip(
+        caplog.records, ("0.0.0.0", "::", "10.1.2.3", "server.example"))] == [True] * 4
 
 
 def test_a_reload_while_one_runs_is_409(monkeypatch, tmp_path):
