@@ -169,7 +169,7 @@ def create_app(state: ServerState) -> FastAPI:
         except ReloadError as err:  # "VERSION failed to load: the error"
             what = str(err).partition(": ")[0]
             return _server_error(request, f"reload failed, the previous models keep serving: "
-                                          f"{what}", err)
+                                          f"{what}", err, traceback=True)
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
     async def admit(served: ServedModel, body, build: Callable, answer_as: str,
@@ -274,10 +274,13 @@ def _is_json(content_type: str) -> bool:
                                            and media.endswith("+json"))
 
 
-def _server_error(request: Request, message: str, exc: BaseException) -> JSONResponse:
-    """A 500 saying `message` and the request id; the error itself goes to the log only."""
+def _server_error(request: Request, message: str, exc: BaseException,
+                  traceback: bool = False) -> JSONResponse:
+    """A 500 saying `message` and the request id; the error itself goes to the log only
+    (with its traceback if asked: an engine failure is logged in full once, by the engine
+    thread, and an unforeseen error by uvicorn)."""
     request_id = request.state.request_id
-    log.error("request %s: %s: %s", request_id, message, exc, exc_info=exc)
+    log.error("request %s: %s: %s", request_id, message, exc, exc_info=exc if traceback else None)
     return _error(500, f"{message} (request id {request_id}; the server log has the "
                        f"details)", error_type="server_error")
 
