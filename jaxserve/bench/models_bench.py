@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import secrets
 import socket
 import sys
 import tempfile
@@ -83,7 +84,9 @@ class _Server:
         from jaxserve.server.app import create_app
         from jaxserve.server.state import ServerOptions, ServerState
 
-        self.state = ServerState(ServerOptions(models_file=str(models_file)))
+        self.admin_key = secrets.token_hex(16)  # POST /admin/reload needs one
+        self.state = ServerState(ServerOptions(models_file=str(models_file),
+                                               admin_api_key=self.admin_key))
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -555,7 +558,8 @@ async def _reloads(server: _Server, models_file: Path, model: str, options: dict
             in_flight = len(load.in_flight)
             say(f"  reload {number}: {change} ({in_flight} requests in flight)...")
             sent = time.perf_counter()
-            response = await client.post("/admin/reload", timeout=REQUEST_TIMEOUT)
+            response = await client.post("/admin/reload", timeout=REQUEST_TIMEOUT, headers={
+                "Authorization": f"Bearer {server.admin_key}"})
             answered = time.perf_counter()
             reply = response.json()
             if response.status_code != 200:

@@ -110,10 +110,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxserve.engine import multihost
     from jaxserve.server.app import create_app
+    from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
     from jaxserve.server.state import ServerOptions, ServerState
 
-    if args.metrics_need_api_key and not args.api_key:
-        raise ValueError("--metrics-need-api-key needs --api-key (the key /metrics would ask)")
+    api_key = key_from(args.api_key, API_KEY_ENV, os.environ)
+    admin_api_key = key_from(args.admin_api_key, ADMIN_API_KEY_ENV, os.environ)
+    if args.metrics_need_api_key and not api_key:
+        raise ValueError("--metrics-need-api-key needs an API key (--api-key or "
+                         "JAXSERVE_API_KEY: the key /metrics would ask)")
+    warn_if_open(args.host, api_key)
     chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
                                args.reasoning_parser)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -141,7 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
                                 config=args.config, engine_options=engine_options,
                                 lora_modules=adapters)
     state = ServerState(dataclasses.replace(
-        options, api_key=args.api_key, metrics_need_api_key=args.metrics_need_api_key,
+        options, api_key=api_key, admin_api_key=admin_api_key,
+        metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         chat_parsing=chat_parsing))
     server = uvicorn.Server(uvicorn.Config(
@@ -364,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+                       help="require 'Authorization: Bearer KEY' on /v1, the tokenizer and "
+                            "the info routes; prefer the environment (JAXSERVE_API_KEY or "
+                            "VLLM_API_KEY), as a flag shows in ps")
+    serve.add_argument("--admin-api-key", default=None,
+                       help="the key of /admin/reload and the LoRA load/unload routes, "
+                            "which are refused without one; prefer JAXSERVE_ADMIN_API_KEY")
     serve.add_argument("--metrics-need-api-key", action="store_true",
                        help="require the API key on /metrics too (default: open, for scrapers)")
     serve.add_argument("--served-model-name", nargs="+", default=None,

@@ -251,14 +251,13 @@ class Engine:
         """Validate a request and build its sequence (raises `InvalidRequestError`).
         `cache_salt` (vLLM's field): the request shares prefix-cache pages only with requests
         of the same salt. `lora`: the adapter it is generated with (`load_lora`); its pages
-        are shared only with requests of the same adapter."""
+        are shared only with requests of the same adapter (`Sequence.prefix_root`)."""
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
         if lora is not None:
             if self.loras is None:
                 raise InvalidRequestError("lora_request", "this engine was started without "
                                           "enable_lora")
-            cache_salt = f"{cache_salt or ''}\0lora:{lora.key}"
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise InvalidRequestError("prompt", "prompt has no tokens")

@@ -3,8 +3,9 @@
 Page 0 is never handed out: padding tokens and padding sequences point at it.
 
 Prefix caching: a full page is keyed by SHA-256 chained over every token before it and in it,
-starting from a root key of whatever else changes K/V (a request's `cache_salt`), as vLLM
-keys its pages: a crafted prompt cannot be steered onto another request's K/V by a hash
+starting from a root key of whatever else changes K/V (a request's `cache_salt` and LoRA
+adapter, as separate length-prefixed fields, so no salt can spell another salt and adapter),
+as vLLM keys its pages: a crafted prompt cannot be steered onto another request's K/V by a hash
 collision. Each cached page also keeps its parent key and tokens, and a hit must match them,
 so even a colliding key function (see the tests) only costs a recomputation. A new request
 reuses the pages of its longest cached prefix (reference counted; full pages are never
@@ -17,14 +18,21 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import struct
 from array import array
 from collections.abc import Callable
 
 
-def root_key(cache_salt: str | None = None) -> bytes:
-    """The key the first page of a sequence chains from: distinct per `cache_salt`, so
-    requests with different salts never share a page."""
-    return hashlib.sha256(b"jaxserve-prefix\0" + (cache_salt or "").encode()).digest()
+def root_key(cache_salt: str | None = None, lora_key: str | None = None) -> bytes:
+    """The key the first page of a sequence chains from: distinct per (`cache_salt`, LoRA
+    adapter `lora_key`), so requests differing in either never share a page. Each field is
+    its UTF-8 length (8 bytes, -1 for None) then its bytes: joining them with a separator
+    instead would let a salt holding that separator equal another salt and adapter."""
+    fields = b""
+    for value in (cache_salt, lora_key):
+        data = b"" if value is None else value.encode("utf-8", "surrogatepass")
+        fields += struct.pack("<q", -1 if value is None else len(data)) + data
+    return hashlib.sha256(b"jaxserve-prefix\0" + fields).digest()
 
 
 def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -120,15 +128,16 @@ class PageAllocator:
         self.forget(list(self._hash_of_page))
 
     def match_prefix(self, token_ids: list[int],
-                     cache_salt: str | None = None) -> tuple[list[int], list[bytes]]:
+                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         """Cached pages of the longest prefix of `token_ids` made of full pages, with their
-        keys; the pages are referenced for the caller. At least one token is left
-        uncomputed, since the step that computes it produces the next token's logits."""
+        keys, chained from `root` (`root_key` of the sequence; None: `root_key()`); the
+        pages are referenced for the caller. At least one token is left uncomputed, since
+        the step that computes it produces the next token's logits."""
         if not self.enable_prefix_caching:
             return [], []
         usable = (len(token_ids) - 1) // self.page_size
         self.prefix_queries += len(token_ids)
-        pages, hashes, parent = [], [], root_key(cache_salt)
+        pages, hashes, parent = [], [], root or root_key()
         for i in range(usable):
             tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
             key = self.key_of(parent, tokens)
@@ -165,13 +174,14 @@ class PageAllocator:
 
     def register_full_pages(self, token_ids: list[int], pages: list[int],
                             page_hashes: list[bytes], num_computed: int,
-                            cache_salt: str | None = None) -> None:
-        """Key the pages that `num_computed` tokens have filled; extends `page_hashes`."""
+                            root: bytes | None = None) -> None:
+        """Key the pages that `num_computed` tokens have filled, chained from `root` (as in
+        `match_prefix`); extends `page_hashes`."""
         if not self.enable_prefix_caching:
             return
         full = num_computed // self.page_size
         for i in range(len(page_hashes), full):
-            parent = page_hashes[-1] if page_hashes else root_key(cache_salt)
+            parent = page_hashes[-1] if page_hashes else (root or root_key())
             tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
             key = self.key_of(parent, tokens)
             page_hashes.append(key)

@@ -229,7 +229,7 @@ class Scheduler:
         if filled and self.allocator.enable_prefix_caching:
             first = len(seq.page_hashes)
             self.allocator.register_full_pages(seq.token_ids, seq.pages, seq.page_hashes, known,
-                                               seq.cache_salt)
+                                               seq.prefix_root)
             if self.windows is not None:
                 self.windows.register(seq, first)
 
@@ -330,7 +330,7 @@ class Scheduler:
             # (a cached page has K/V, not the logits); it still keys its pages for others.
             if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
                 seq.pages, seq.page_hashes = self.allocator.match_prefix(seq.token_ids,
-                                                                        seq.cache_salt)
+                                                                        seq.prefix_root)
                 if self.windows is not None:  # only as far as its window pages are cached
                     usable = self.windows.match(seq)
                     self.allocator.unmatch(seq.pages[usable:])

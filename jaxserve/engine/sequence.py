@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.engine.page_allocator import root_key
 from jaxserve.sampling_params import SamplingParams
 
 PENDING = -1  # an output token sampled by a step still on device (`Scheduler.advance`)
@@ -126,6 +127,11 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     times: RequestTimes = dataclasses.field(default_factory=RequestTimes)
+
+    @property
+    def prefix_root(self) -> bytes:
+        """The key its prefix-cache pages chain from: its salt and its adapter's key."""
+        return root_key(self.cache_salt, None if self.lora is None else self.lora.key)
 
     @property
     def token_ids(self) -> list[int]:

@@ -36,7 +36,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.page_allocator import PageAllocator, root_key
+from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:  # the plain-Python core starts no jax (tests/test_layering.py)
@@ -139,7 +139,7 @@ class WindowPages:
             first = self.first_visible(usable * page)
             found = []
             for i in range(first, usable):
-                parent = hashes[i - 1] if i else root_key(seq.cache_salt)
+                parent = hashes[i - 1] if i else seq.prefix_root
                 cached = self.allocator.cached(hashes[i], parent,
                                                tuple(tokens[i * page:(i + 1) * page]))
                 if cached is None:
@@ -158,7 +158,7 @@ class WindowPages:
         hashes, tokens, page = seq.page_hashes, seq.token_ids, self.page_size
         for i in range(first, len(hashes)):
             if i < len(seq.window_pages) and seq.window_pages[i]:
-                parent = hashes[i - 1] if i else root_key(seq.cache_salt)
+                parent = hashes[i - 1] if i else seq.prefix_root
                 self.allocator.key_page(seq.window_pages[i], hashes[i], parent,
                                         tuple(tokens[i * page:(i + 1) * page]))
 

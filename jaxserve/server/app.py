@@ -7,26 +7,29 @@ models are loaded and warmed up; 500 once none can serve, while the process exit
 /metrics` (Prometheus), `POST /admin/reload` (re-read the models file, `jaxserve.fleet`),
 and for vLLM's router `GET /load`, `/get_load`, `/get_server_info`, `/get_model_info`
 (`jaxserve.server.router_routes`). Every response carries `X-Request-Id`: the client's, or
-one the server made (a completion's body `id`).
+one the server made (a completion's body `id`). Which key each route needs:
+`jaxserve.server.auth`.
 
 Each request's `model` is routed by `jaxserve.fleet.routing` (a name's versions by weight, a
 pinned id `name@version` to its version); the `x-jaxserve-model-version` header names the
 version that answered. When that version's queue is full (429) or its engine failed (500),
 a version with a `fallback` hands the request to it, and `x-jaxserve-fallback-from` says
-so. Errors use OpenAI's JSON shape and name the bad field. The model loads on a background
-thread after the socket is open, so orchestrators see the process alive while `/health`
-says whether it is ready.
+so. Errors use OpenAI's JSON shape and name the bad field; a server-side failure is logged
+with the request id, and the client gets a plain message and that id (never the raw error,
+which may hold paths). A body sent without a JSON content type is refused (415): a web page
+can post such a body to a server on 127.0.0.1 without a CORS preflight. The model loads on
+a background thread after the socket is open, so orchestrators see the process alive while
+`/health` says whether it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 from typing import Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,10 +41,12 @@ from jaxserve.fleet.served_model import ServedModel
 from jaxserve.lora.slots import Adapter
 from jaxserve.server import handlers
 from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
+from jaxserve.server.auth import (AuthError, admin_key_dependency, api_key_dependency,
+                                  check_api_key)
 from jaxserve.server.lora_routes import add_lora_routes
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.router_routes import RequestIdMiddleware, add_router_routes
-from jaxserve.server.state import ServerState
+from jaxserve.server.state import ReloadBusyError, ServerState
 from jaxserve.server.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("jaxserve.server")
@@ -75,6 +80,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        content_type = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
+            return _error(415, f"the request body must be JSON sent with Content-Type: "
+                               f"application/json (got {content_type or 'none'!r})",
+                          code="unsupported_media_type")
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
             reason = first.get("ctx", {}).get("error", first.get("msg"))
             offset = first.get("loc", (None, None))[-1]
@@ -90,6 +100,10 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), error_type="not_found_error"
                       if exc.status_code == 404 else "invalid_request_error")
 
+    @app.exception_handler(AuthError)
+    async def on_auth_error(request: Request, exc: AuthError):
+        return _error(exc.status, exc.message, error_type=exc.error_type, code=exc.code)
+
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
         return _error(exc.status, exc.message, exc.param, exc.error_type, exc.code, exc.headers)
@@ -101,16 +115,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_failure(request: Request, exc: EngineDeadError):
-        return _error(500, f"the engine failed while serving this request: {exc}",
-                      error_type="server_error")
+        return _server_error(request, "the engine failed while serving this request", exc)
 
-    async def check_api_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                           error_type="authentication_error", code="invalid_api_key")
+    @app.exception_handler(Exception)  # anything unforeseen: Starlette's outermost layer
+    async def on_unexpected_error(request: Request, exc: Exception):
+        response = _server_error(request, "the server failed to answer this request", exc)
+        response.headers["x-request-id"] = request.state.request_id  # past that middleware
+        return response
 
     def route(model: str | None) -> Route:
         if not state.ready:
@@ -120,12 +131,13 @@ def create_app(state: ServerState) -> FastAPI:
         except UnknownModelError as err:
             raise APIError(404, str(err), "model", code="model_not_found") from None
 
-    v1 = [Depends(check_api_key)]
+    v1 = [api_key_dependency(lambda: state.api_key)]
+    admin = [admin_key_dependency(lambda: state.admin_api_key)]
 
     @app.get("/health")
     async def health():
         if state.fatal_error:  # shutting down: a supervisor should restart the process
-            return _error(500, state.fatal_error, error_type="server_error")
+            return _error(500, state.not_ready_reason(), error_type="server_error")
         if not state.ready:
             return _error(503, state.not_ready_reason(), error_type="service_unavailable")
         return {"status": "ok", "models": {state.fleet.public_id(s): "failed" if s.failure
@@ -134,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         if state.metrics_need_api_key:
-            await check_api_key(request)
+            check_api_key(state.api_key, request)
         if not state.ready:
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.prometheus.render(), media_type="text/plain; version=0.0.4")
@@ -145,16 +157,19 @@ def create_app(state: ServerState) -> FastAPI:
             return {"object": "list", "data": []}
         return {"object": "list", "data": model_cards(state)}
 
-    @app.post("/admin/reload", dependencies=v1)
-    async def reload():
+    @app.post("/admin/reload", dependencies=admin)
+    async def reload(request: Request):
         try:
             timeline = await asyncio.to_thread(state.reload)
         except ValueError as err:
             raise APIError(400, f"reload refused, the previous models keep serving: {err}",
                            "models") from None
-        except ReloadError as err:
-            raise APIError(500, f"reload failed, the previous models keep serving: {err}",
-                           error_type="server_error") from None
+        except ReloadBusyError as err:
+            raise APIError(409, str(err), code="reload_in_progress") from None
+        except ReloadError as err:  # "VERSION failed to load: the error"
+            what = str(err).partition(": ")[0]
+            return _server_error(request, f"reload failed, the previous models keep serving: "
+                                          f"{what}", err, traceback=True)
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
     async def admit(served: ServedModel, body, build: Callable, answer_as: str,
@@ -217,8 +232,8 @@ def create_app(state: ServerState) -> FastAPI:
                                                           parsing=state.chat_parsing))
 
     add_tokenizer_routes(app, state, v1)
-    add_lora_routes(app, state, v1)
-    add_router_routes(app, state, check_api_key)
+    add_lora_routes(app, state, admin)
+    add_router_routes(app, state, v1)
 
     return app
 
@@ -249,6 +264,25 @@ def model_cards(state: ServerState) -> list[dict]:
                   for a in (registry.all() if registry is not None else [])
                   if a.name not in table.pinned]  # adapter versions have their card above
     return cards
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type is one FastAPI parses as JSON (`application/json`,
+    `application/*+json`)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+def _server_error(request: Request, message: str, exc: BaseException,
+                  traceback: bool = False) -> JSONResponse:
+    """A 500 saying `message` and the request id; the error itself goes to the log only
+    (with its traceback if asked: an engine failure is logged in full once, by the engine
+    thread, and an unforeseen error by uvicorn)."""
+    request_id = request.state.request_id
+    log.error("request %s: %s: %s", request_id, message, exc, exc_info=exc if traceback else None)
+    return _error(500, f"{message} (request id {request_id}; the server log has the "
+                       f"details)", error_type="server_error")
 
 
 class BodySizeLimit:

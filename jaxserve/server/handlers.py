@@ -240,8 +240,12 @@ class Job:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         started, generated = set(), 0
         async for choice, delta in self._interleaved():
-            if isinstance(delta, Exception):
-                yield _event({"error": {"message": str(delta), "type": "server_error"}})
+            if isinstance(delta, Exception):  # the raw error to the log, never the client
+                log.error("request %s: choice %d failed: %s", self.request_id, choice.index,
+                          delta)
+                yield _event({"error": {"message": "the engine failed while serving this "
+                                        f"request (request id {self.request_id})",
+                                        "type": "server_error"}})
                 continue
             generated += len(delta.new_token_ids)
             first = choice.index not in started

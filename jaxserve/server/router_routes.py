@@ -41,10 +41,13 @@ too, with `status` "draining"), with each engine's numbers under `models`. `wait
 every accepted request not running yet, those the scheduler has not picked up too (which
 `vllm:num_requests_waiting` misses while the engine is inside a step). `GET /get_server_info`
 and `GET /get_model_info` describe the served models (the first name by default;
-`/get_model_info?model=ID` any id a client may send). Like `/metrics` they need the API key
-only with `--metrics-need-api-key` (then the router's `/get_load` polls, which carry no key,
-are refused and `power_of_two` has no loads); `/health` never does. Before the models are
-ready they answer 503.
+`/get_model_info?model=ID` any id a client may send). With an API key, `/load`,
+`/get_server_info` and `/get_model_info` need it like every `/v1` route (they show the
+models' paths and settings; the router forwards the client's `Authorization` to them, but
+`--enable-igw` discovery sends none: name each worker's model when registering it).
+`/get_load` needs it, like `/metrics`, only with `--metrics-need-api-key` (then the router's
+polls, which carry no key, are refused and `power_of_two` has no loads); `/health` never
+does. Before the models are ready they answer 503.
 
 `RequestIdMiddleware`: a request's `X-Request-Id` (1-256 visible ASCII characters; else, as
 the router reads them, `X-Correlation-Id`, `X-Trace-Id` or `Request-Id`) is echoed as
@@ -65,6 +68,7 @@ from fastapi.responses import JSONResponse
 
 import jaxserve
 from jaxserve.fleet.served_model import ServedModel
+from jaxserve.server.auth import check_api_key
 from jaxserve.server.protocol import error_body
 from jaxserve.server.state import ServerState
 
@@ -75,32 +79,33 @@ REQUEST_ID_HEADERS = (REQUEST_ID_HEADER, b"x-correlation-id", b"x-trace-id", b"r
 MAX_REQUEST_ID_CHARS = 256
 
 
-def add_router_routes(app: FastAPI, state: ServerState, check_api_key) -> None:
+def add_router_routes(app: FastAPI, state: ServerState, dependencies: list) -> None:
     """`/load`, `/get_load`, `/get_server_info` and `/get_model_info` on `app`;
-    `check_api_key(request)` raises for a request without the key."""
+    `dependencies`: the API-key check of the `/v1` routes."""
 
-    async def guard(request: Request) -> JSONResponse | None:
-        """The key (as `/metrics` asks for it), then readiness."""
-        if state.metrics_need_api_key:
-            await check_api_key(request)
+    def not_ready() -> JSONResponse | None:
         if not state.ready:
             return JSONResponse(error_body(state.not_ready_reason(), "service_unavailable"),
                                 status_code=503)
         return None
 
-    async def load(request: Request):
-        return await guard(request) or load_body(state)
+    @app.get("/load", dependencies=dependencies)
+    async def load():
+        return not_ready() or load_body(state)
 
-    app.add_api_route("/load", load, methods=["GET"])
-    app.add_api_route("/get_load", load, methods=["GET"])
+    @app.get("/get_load")
+    async def get_load(request: Request):
+        if state.metrics_need_api_key:  # as /metrics: the router polls without a key
+            check_api_key(state.api_key, request)
+        return not_ready() or load_body(state)
 
-    @app.get("/get_server_info")
-    async def get_server_info(request: Request):
-        return await guard(request) or server_info(state)
+    @app.get("/get_server_info", dependencies=dependencies)
+    async def get_server_info():
+        return not_ready() or server_info(state)
 
-    @app.get("/get_model_info")
-    async def get_model_info(request: Request, model: str | None = None):
-        refused = await guard(request)
+    @app.get("/get_model_info", dependencies=dependencies)
+    async def get_model_info(model: str | None = None):
+        refused = not_ready()
         if refused is not None:
             return refused
         served = find(state, model)

@@ -24,6 +24,10 @@ from jaxserve.tool_calling import ChatParsing
 log = logging.getLogger("jaxserve.server")
 
 
+class ReloadBusyError(RuntimeError):
+    """A reload was asked for while another one runs."""
+
+
 @dataclasses.dataclass
 class ServerOptions:
     """Server-level settings (the engine's are `engine_options`, or the models file's)."""
@@ -32,7 +36,8 @@ class ServerOptions:
     served_model_name: list[str] | None = None
     dtype: str | None = None  # None: the preset's, else "auto"
     config: str | None = None  # deployment preset; None: cpu.toml on CPU
-    api_key: str | None = None
+    api_key: str | None = None  # the inference key (`jaxserve.server.auth`)
+    admin_api_key: str | None = None  # /admin/reload and the LoRA routes; None: refused
     metrics_need_api_key: bool = False  # /metrics behind the API key too
     max_body_bytes: int = 4 << 20
     max_waiting_requests: int = 1024
@@ -48,6 +53,8 @@ class ServerOptions:
         if self.lora_modules and self.models_file is not None:
             raise ValueError("lora_modules serves adapters of the one model; a models file "
                              "cannot name adapters")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("the admin API key must differ from the API key")
         if self.models_file is not None and (self.served_model_name or self.dtype
                                              or self.config or self.engine_options):
             raise ValueError("with a models file, give names, dtype, preset and engine "
@@ -66,6 +73,7 @@ class ServerState:
                  build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
         self.api_key = options.api_key
+        self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key
         self.max_body_bytes = options.max_body_bytes
         self.chat_parsing = options.chat_parsing
@@ -77,6 +85,7 @@ class ServerState:
         self.fatal_error: str | None = None  # why this server cannot serve; it exits
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
+        self._reloading = threading.Lock()  # held while a reload runs; never waited for
 
     def read_entries(self) -> list[ModelEntry]:
         """The models to serve: the models file's entries, or the one model of `--model`."""
@@ -124,11 +133,18 @@ class ServerState:
         return None
 
     def not_ready_reason(self) -> str:
-        return self.fatal_error or "model is loading and compiling; retry shortly"
+        """What a client is told while nothing serves. A fatal reason is written "what
+        failed: the error"; clients get only what failed, as the error may hold paths (the
+        log and the command's exit message have all of it)."""
+        if self.fatal_error:
+            return (f"{self.fatal_error.partition(': ')[0]}; the server is shutting down "
+                    "(its log says why)")
+        return "model is loading and compiling; retry shortly"
 
     def fail(self, reason: str) -> None:
         """Nothing more can be served (the model did not load, the engine broke): `/health`
-        answers 500 with `reason` from now on, and the process is asked to exit."""
+        answers 500 from now on, and the process is asked to exit. `reason`: "what failed:
+        the error" (`not_ready_reason`)."""
         self.fatal_error = reason
         self.ready = False
         log.error("cannot serve: %s; shutting down", reason)
@@ -148,12 +164,19 @@ class ServerState:
             self.fail(f"model failed to load: {err}")
 
     def reload(self) -> list[dict]:
-        """Apply the models file again (`SIGHUP`, `POST /admin/reload`); see `ModelFleet`."""
+        """Apply the models file again (`SIGHUP`, `POST /admin/reload`); see `ModelFleet`.
+        `ReloadBusyError` while another reload runs: a second one would only queue a thread
+        behind it and then re-apply the same file."""
         if self.options.models_file is None:
             raise ValueError("this server runs one model (--model); reloads need --models")
         if not self.ready:
             raise ValueError("the server is not ready yet; reload once it serves")
-        return self.fleet.reload()
+        if not self._reloading.acquire(blocking=False):
+            raise ReloadBusyError("a reload is already running; retry once it has finished")
+        try:
+            return self.fleet.reload()
+        finally:
+            self._reloading.release()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -1,7 +1,8 @@
 """deploy/k8s against what it runs on and what it runs: core kinds validated with
 kubernetes-validate, custom resources against the kept CRD schemas, the container args
-parsed by jaxserve's own parser (with LWS's variables filled in), the drain timings
-against --drain-timeout, and every metric the dashboard, alerts and autoscaler query
+parsed by jaxserve's own parser (with LWS's variables filled in), the API keys taken from a
+Secret, the images' unprivileged user, the drain timings against --drain-timeout, and every
+metric the dashboard, alerts and autoscaler query
 present on a live server's /metrics."""
 
 import copy
@@ -84,7 +85,7 @@ def container(template: dict) -> dict:
 def parse(c: dict, env: dict[str, str] | None = None):
     """The container's command line as `jaxserve` parses it."""
     assert c["command"] == ["jaxserve"]
-    env = {**{e["name"]: e["value"] for e in c.get("env", [])}, **(env or {})}
+    env = {**{e["name"]: e["value"] for e in c.get("env", []) if "value" in e}, **(env or {})}
     return build_parser().parse_args(expand(c["args"], env))
 
 
@@ -110,6 +111,18 @@ def check_http_server(template: dict, args) -> None:
     assert grace >= sleep_seconds(c) + args.drain_timeout + 10
     mounts = [m["mountPath"] for m in c["volumeMounts"]]
     assert any(args.model.startswith(m + "/") for m in mounts), (args.model, mounts)
+    check_keys_from_a_secret(c, args)
+
+
+def check_keys_from_a_secret(c: dict, args) -> None:
+    """The keys come from a Secret through the environment (`jaxserve.server.auth`), never
+    as flags (which the pod spec and `ps` show); the inference key is required, so a pod
+    without its Secret does not start open."""
+    assert args.api_key is None and args.admin_api_key is None
+    sources = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+    assert set(sources) == {"JAXSERVE_API_KEY", "JAXSERVE_ADMIN_API_KEY"}, sources
+    assert not sources["JAXSERVE_API_KEY"].get("optional", False)
+    assert sources["JAXSERVE_API_KEY"]["key"] != sources["JAXSERVE_ADMIN_API_KEY"]["key"]
 
 
 def test_gpu_deployment_args_parse():
@@ -227,3 +240,17 @@ def test_the_images_are_the_ones_the_dockerfiles_build_with_the_readme_extras():
     images = {kind: {container(t)["image"] for t in pod_templates(find(kind))}
               for kind in ("Deployment", "LeaderWorkerSet")}
     assert images == {"Deployment": {built["cuda"]}, "LeaderWorkerSet": {built["tpu"]}}
+
+
+def test_the_images_run_as_an_unprivileged_user():
+    """Each Dockerfile switches to a numeric non-root user after installing (Kubernetes'
+    runAsNonRoot can check a number only), and the GPU pod asks for that user."""
+    users = set()
+    for extra in ("cuda", "tpu"):
+        text = (REPO / "deploy" / "docker" / f"{extra}.Dockerfile").read_text()
+        user = re.search(r"^USER (\d+)(?::\d+)?$", text, re.MULTILINE)
+        assert user and int(user[1]) != 0, extra
+        assert text.index("RUN pip install") < user.start() < text.index("ENTRYPOINT")
+        users.add(int(user[1]))
+    context = find("Deployment", "jaxserve")["spec"]["template"]["spec"]["securityContext"]
+    assert context["runAsNonRoot"] and {context["runAsUser"]} == users

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.page_allocator import PageAllocator, root_key
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
 
@@ -89,7 +89,8 @@ def test_prefix_caching_off_never_matches():
 
 def test_page_keys_are_sha256_chained_from_the_salt():
     """Each key is SHA-256 of the parent key and the page's tokens (int64), from a root that
-    hashes the cache salt, recomputed here with hashlib."""
+    hashes the cache salt and the LoRA adapter's key, each as its length (int64, -1 for
+    none) then its UTF-8 bytes; recomputed here with hashlib."""
     import hashlib
     import struct
     alloc = PageAllocator(num_pages=20, page_size=PAGE)
@@ -97,15 +98,20 @@ def test_page_keys_are_sha256_chained_from_the_salt():
     _, keys = _fill(alloc, tokens)
     salted = PageAllocator(num_pages=20, page_size=PAGE)
     salted_keys = []
-    salted.register_full_pages(tokens, salted.allocate(3), salted_keys, 9, cache_salt="t1")
-    for salt, got in ((None, keys), ("t1", salted_keys)):
-        parent = hashlib.sha256(b"jaxserve-prefix\0" + (salt or "").encode()).digest()
+    salted.register_full_pages(tokens, salted.allocate(3), salted_keys, 9,
+                               root=root_key("t1", "k"))
+    for (salt, lora), got in (((None, None), keys), (("t1", "k"), salted_keys)):
+        fields = b"".join(struct.pack("<q", -1) if v is None
+                          else struct.pack("<q", len(v)) + v.encode() for v in (salt, lora))
+        parent = hashlib.sha256(b"jaxserve-prefix\0" + fields).digest()
         for i, key in enumerate(got):
             page = struct.pack(f"{PAGE}q", *tokens[i * PAGE:(i + 1) * PAGE])
             parent = hashlib.sha256(parent + page).digest()
             assert key == parent
     assert keys != salted_keys
-    assert alloc.match_prefix(tokens, cache_salt="t1") == ([], [])
+    assert alloc.match_prefix(tokens, root=root_key("t1")) == ([], [])
+    assert salted.match_prefix(tokens, root=root_key("t1\0lora:k")) == ([], [])
+    assert len(salted.match_prefix(tokens, root=root_key("t1", "k"))[0]) == 2
 
 
 def test_a_hit_must_hold_the_same_tokens_whatever_the_key_function():

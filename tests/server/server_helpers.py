@@ -36,6 +36,10 @@ seq_buckets = {seq_buckets}
 """
 
 
+# The admin key of test servers that reload or load adapters (`jaxserve.server.auth`).
+ADMIN_KEY = "test-admin-key"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 # One rung per ladder: a step program and a decode loop, the fewest a server compiles (for
 # tests whose point is not the buckets).
 ONE_RUNG_PRESET = cpu_preset(64, 4, 64, [64], [4])

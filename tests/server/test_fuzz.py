@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
 from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import serving
+from server_helpers import ADMIN_KEY, AS_ADMIN, serving
 from tiny_models import SMALL_ENGINE, VOCAB
 
 NAME = "tiny"
@@ -47,8 +47,9 @@ BASES = {  # a valid, cheap body per endpoint; fuzzing changes it
                              "max_tokens": 2, "logprobs": True},  # top_logprobs is used
     "/tokenize": {"model": NAME, "prompt": "ok"},
     "/detokenize": {"model": NAME, "tokens": [5, 6]},
-    # LoRA routes: this server runs without --enable-lora, so they refuse (400) once the
-    # body validates; tests/server/test_lora_server.py covers them with adapters
+    # LoRA routes (the fuzzer sends the admin key): this server runs without --enable-lora,
+    # so they refuse (400) once the body validates; tests/server/test_lora_server.py covers
+    # them with adapters
     "/v1/load_lora_adapter": {"lora_name": "fuzz", "lora_path": "no-such-folder"},
     "/v1/unload_lora_adapter": {"lora_name": "fuzz"},
 }
@@ -160,7 +161,7 @@ class Fuzzer:
     checks that a plain request is still served."""
 
     def __init__(self, url: str):
-        self.client = httpx.Client(base_url=url, timeout=120)
+        self.client = httpx.Client(base_url=url, headers=AS_ADMIN, timeout=120)
         self.statuses: collections.Counter = collections.Counter()
         self.total: collections.Counter = collections.Counter()
         self.checks = 0
@@ -243,7 +244,7 @@ def short(body) -> str:
 @pytest.fixture(scope="module")
 def server(folder):
     options = ServerOptions(model=str(folder), served_model_name=[NAME],
-                            dtype="float32", engine_options=ENGINE)
+                            dtype="float32", engine_options=ENGINE, admin_api_key=ADMIN_KEY)
     with serving(options) as running:
         yield running
 

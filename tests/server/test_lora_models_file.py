@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.server.state import ServerOptions
 from peft_adapters import base_and_adapters
-from server_helpers import serving
+from server_helpers import ADMIN_KEY, AS_ADMIN, serving
 from tiny_models import SMALL_ENGINE
 
 MAX_TOKENS = 8
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     base, folders, expected = base_and_adapters(root, PROMPT, MAX_TOKENS, seed=7)
     models = root / "models.toml"
     models.write_text(models_toml(base, {"2": folders["attn"]}))
-    with serving(ServerOptions(models_file=str(models))) as running:
+    with serving(ServerOptions(models_file=str(models), admin_api_key=ADMIN_KEY)) as running:
         yield running, models, folders, expected
 
 
@@ -62,12 +62,13 @@ def test_adapter_versions_serve_swap_and_go(setup):
     assert cards["tuned@2"]["root"] == str(folders["attn"])
     assert cards["tuned@2"]["base"] == "tuned@1"
 
-    refused = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "tuned@2"})
+    refused = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=AS_ADMIN,
+                         json={"lora_name": "tuned@2"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora_name"
 
     models.write_text(models_toml(models.parent / "base", {"2": folders["everything"],
                                                           "3": folders["attn"]}))
-    timeline = httpx.post(f"{server.url}/admin/reload", timeout=300)
+    timeline = httpx.post(f"{server.url}/admin/reload", headers=AS_ADMIN, timeout=300)
     assert timeline.status_code == 200, timeline.text
     loads = [e["model"] for e in timeline.json()["timeline"] if e["phase"] == "load"]
     assert loads == ["tuned@2", "tuned@3"]  # the base's engine is kept
@@ -75,7 +76,8 @@ def test_adapter_versions_serve_swap_and_go(setup):
     assert token_ids(server.url, "tuned@3") == expected["attn"]
 
     models.write_text(models_toml(models.parent / "base", {"3": folders["attn"]}))
-    assert httpx.post(f"{server.url}/admin/reload", timeout=300).status_code == 200
+    reloaded = httpx.post(f"{server.url}/admin/reload", headers=AS_ADMIN, timeout=300)
+    assert reloaded.status_code == 200, reloaded.text
     gone = tokens(server.url, "tuned@2")
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
     assert token_ids(server.url, "tuned@3") == expected["attn"]

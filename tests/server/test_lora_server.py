@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.server.state import ServerOptions
 from peft_adapters import base_and_adapters
-from server_helpers import serving
+from server_helpers import ADMIN_KEY, AS_ADMIN, serving
 from tiny_models import SMALL_ENGINE
 
 NAME = "base"
@@ -31,7 +31,8 @@ def server(models):
                             engine_options={**SMALL_ENGINE, "enable_lora": True,
                                             "max_loras": 1, "max_lora_rank": 8,
                                             "strict_compile": True},
-                            lora_modules=(("attn", str(folders["attn"])),))
+                            lora_modules=(("attn", str(folders["attn"])),),
+                            admin_api_key=ADMIN_KEY)
     with serving(options) as running:
         yield running
 
@@ -62,7 +63,8 @@ def test_adapters_load_and_unload_while_requests_run(server, client, models):
     _, folders, expected = models
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=server.url, headers=AS_ADMIN,
+                                     timeout=120) as http:
             async def complete(model):
                 answer = await http.post("/v1/completions", json={
                     "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
@@ -94,7 +96,7 @@ def test_adapters_load_and_unload_while_requests_run(server, client, models):
 
 def test_bad_adapter_requests_are_named(server, models, tmp_path):
     _, folders, _ = models
-    with httpx.Client(base_url=server.url, timeout=60) as http:
+    with httpx.Client(base_url=server.url, headers=AS_ADMIN, timeout=60) as http:
         missing = http.post("/v1/unload_lora_adapter", json={"lora_name": "nobody"})
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
         empty = http.post("/v1/load_lora_adapter", json={"lora_name": "x",

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.server.state import ServerOptions, ServerState
-from server_helpers import ThreadedServer, wait_until
+from server_helpers import ADMIN_KEY, AS_ADMIN, ThreadedServer, wait_until
 from tiny_models import SMALL_ENGINE
 
 # small ladders (6 programs) keep each version's load and warm-up short
@@ -43,7 +43,8 @@ def models_toml(versions: list[tuple[str, int]], tiny: Path, fallback: str = "ti
 def server(folder, tmp_path_factory):
     models = tmp_path_factory.mktemp("fleet") / "models.toml"
     models.write_text(models_toml([("1", 25), ("2", 75)], folder))
-    running = ThreadedServer(ServerState(ServerOptions(models_file=str(models)))).start()
+    running = ThreadedServer(ServerState(ServerOptions(models_file=str(models),
+                                                       admin_api_key=ADMIN_KEY))).start()
     running.models_file, running.tiny = models, folder
     try:
         running.wait_ready()
@@ -59,7 +60,7 @@ def complete(server, model: str, max_tokens: int = 2, **more) -> httpx.Response:
 
 def reload(server, versions, fallback="tiny") -> httpx.Response:
     server.models_file.write_text(models_toml(versions, server.tiny, fallback))
-    return httpx.post(f"{server.url}/admin/reload", timeout=300)
+    return httpx.post(f"{server.url}/admin/reload", headers=AS_ADMIN, timeout=300)
 
 
 def metric_samples(server) -> dict:
@@ -239,13 +240,13 @@ def test_a_bad_reload_keeps_the_old_configuration(server, tmp_path):
     fleet = server.state.fleet
     before = fleet.table
     server.models_file.write_text(models_toml([("2", 75)], server.tiny, fallback="nowhere"))
-    refused = httpx.post(f"{server.url}/admin/reload", timeout=60)
+    refused = httpx.post(f"{server.url}/admin/reload", headers=AS_ADMIN, timeout=60)
     assert refused.status_code == 400
     assert "fallback 'nowhere' is not a model name" in refused.json()["error"]["message"]
     server.models_file.write_text(
         models_toml([("2", 75)], server.tiny) + f'\n[[models]]\nname = "gone"\npath = '
         f'"{tmp_path / "missing"}"\n')
-    failed = httpx.post(f"{server.url}/admin/reload", timeout=60)
+    failed = httpx.post(f"{server.url}/admin/reload", headers=AS_ADMIN, timeout=60)
     assert failed.status_code == 500 and "gone@1 failed to load" in failed.text
     assert fleet.table is before
     assert complete(server, "shipped").status_code == 200

@@ -17,6 +17,7 @@ from tiny_models import SMALL_ENGINE
 
 NAME = "tiny"
 INFO_ROUTES = ("/load", "/get_load", "/get_server_info", "/get_model_info")
+KEYED_ROUTES = ("/load", "/get_server_info", "/get_model_info")  # with a key, always
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +177,14 @@ def test_request_id_is_echoed_or_made(server, client):
     assert len(ids) == 3
 
 
-def test_info_routes_follow_the_metrics_key_policy(server):
+def test_info_routes_need_the_key_and_get_load_follows_the_metrics_policy(server):
     state, key = server.state, "router-key"
     state.api_key = key
     try:
-        for path in INFO_ROUTES + ("/metrics", "/health"):
+        for path in ("/get_load", "/metrics", "/health"):  # the router's polls carry no key
             assert httpx.get(f"{server.url}{path}").status_code == 200, path
-        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        for path in KEYED_ROUTES + ("/v1/models",):  # they show paths and settings
+            assert httpx.get(f"{server.url}{path}").status_code == 401, path
         state.metrics_need_api_key = True
         for path in INFO_ROUTES + ("/metrics",):
             denied = httpx.get(f"{server.url}{path}")

@@ -1,5 +1,6 @@
 """Security properties kept as tests: the API key guards every route that does work (and
-`/metrics` when asked), it is compared in constant time, the default bind is loopback, chat
+`/metrics` when asked), the admin routes refuse it, it is compared in constant time (more in
+test_auth.py, without an engine), the default bind is loopback, chat
 templates run sandboxed, nothing unpickles, and request bodies and prompts are capped (a
 chunked body without a length too)."""
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from jaxserve.cli.main import build_parser
-from jaxserve.server import app as app_module
+from jaxserve.server import auth
 from jaxserve.server.state import ServerOptions
 from server_helpers import serving
 from tiny_models import SMALL_ENGINE, build_model
@@ -37,10 +38,13 @@ def server(tmp_path_factory):
         yield running
 
 
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # the admin key's
+
+
 def routes(server) -> list[tuple[str, str]]:
     app = server.server.config.app
     return [(method, route.path) for route in app.routes if route.path.startswith("/v1/")
-            for method in sorted(route.methods)]
+            and route.path not in ADMIN_ROUTES for method in sorted(route.methods)]
 
 
 def test_every_v1_route_and_metrics_need_the_key(server):
@@ -58,12 +62,16 @@ def test_every_v1_route_and_metrics_need_the_key(server):
         allowed = httpx.request(method, server.url + path, headers=AUTH, json=body)
         assert allowed.status_code in (200, 400), (method, path, allowed.text)
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+    for path in ADMIN_ROUTES:  # no admin key configured: refused, whatever the key
+        refused = httpx.post(server.url + path, headers=AUTH, json={"lora_name": "x"})
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == (
+            "permission_error")
 
 
 def test_the_key_is_compared_in_constant_time(server, monkeypatch):
     seen = []
-    real = app_module.hmac.compare_digest
-    monkeypatch.setattr(app_module.hmac, "compare_digest",
+    real = auth.hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest",
                         lambda a, b: seen.append((a, b)) or real(a, b))
     httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer guess"})
     assert seen and seen[0][0] == b"Bearer guess"

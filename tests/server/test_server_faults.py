@@ -46,6 +46,8 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(server, monkeypatch):
                       timeout=60) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert json.loads(events[0])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    # the request id, not the raw error, for the client (the log has the error)
+    assert response.headers["x-request-id"] in json.loads(events[0])["error"]["message"]
     ok = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{server.url}/health").status_code == 200
