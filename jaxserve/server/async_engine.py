@@ -85,22 +85,27 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
+        """Step while requests exist and hand out the deltas. A failed step fails only its
+        own requests (inside `step`); anything raised here (the engine gave up, or handing
+        out its deltas failed) ends the thread, so every request fails and `on_failure`
+        marks the engine dead: no request would be answered again."""
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                deltas = self._step_once()
+                if self.on_step is not None:
+                    self.on_step(deltas)
+                self._deliver(deltas)
+        except Exception as err:  # noqa: BLE001 - the engine thread cannot go on
+            log.exception("the engine cannot serve any more; failing every request")
             try:
-                deltas = self._step_once()  # a failed step fails only its own requests
-            except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
-                log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
                     self.on_failure(f"the engine failed: {err}")
+            finally:
                 self._fail_all(str(err))
-                return
-            if self.on_step is not None:
-                self.on_step(deltas)
-            self._deliver(deltas)
 
     def _step_once(self) -> list[StreamDelta]:
         """One step of the engine, in a turn of its devices if it has a seat on them.
