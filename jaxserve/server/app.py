@@ -159,11 +159,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     def build_job(served: ServedModel, body, build: Callable, answer_as: str,
                   request_id: str | None, lora: Adapter | None):
-        """The job of `body` on `served`, not yet queued: its prompts
+        """The job of `body` on `served`, not yet queued: its caps checked, its prompts
         tokenized (a chat's rendered), a chat request's tool schemas checked by compiling
         them, its grammar compiled (first here, so that an error names the field the client
         sent; the job finds it cached). Seconds for a long prompt: run it off the event
         loop."""
+        state.request_limits.check(body)
         structured = body.structured()
         checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []
         checks += [(body.structured_field(), structured)] if structured is not None else []
