@@ -38,6 +38,7 @@ import os
 import sys
 
 from jaxserve import __version__
+from jaxserve.server.limits import RequestLimits
 from jaxserve.tool_calling import REASONING_PARSERS, TOOL_PARSERS, ChatParsing
 
 
@@ -119,6 +120,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--metrics-need-api-key needs an API key (--api-key or "
                          "JAXSERVE_API_KEY: the key /metrics would ask)")
     warn_if_open(args.host, api_key)
+    limits = RequestLimits(args.max_stop_strings, args.max_stop_string_chars, args.max_tools,
+                           args.max_schema_bytes)
     chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
                                args.reasoning_parser)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -149,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         options, api_key=api_key, admin_api_key=admin_api_key,
         metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-        chat_parsing=chat_parsing))
+        request_limits=limits, chat_parsing=chat_parsing))
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout))
@@ -383,6 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="beyond this many queued requests answer 429")
+    serve.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings,
+                       help="most stop strings a request may give (400 beyond)")
+    serve.add_argument("--max-stop-string-chars", type=int,
+                       default=RequestLimits.max_stop_string_chars,
+                       help="longest stop string, in characters")
+    serve.add_argument("--max-tools", type=int, default=RequestLimits.max_tools,
+                       help="most tools a chat request may give")
+    serve.add_argument("--max-schema-bytes", type=int, default=RequestLimits.max_schema_bytes,
+                       help="largest tool entry and output constraint (JSON schema, regex, "
+                            "choices, grammar), in bytes")
     serve.add_argument("--drain-timeout", type=int, default=300,
                        help="seconds to let in-flight requests finish after SIGTERM")
     serve.add_argument("--log-level", default="info")

@@ -55,7 +55,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`. Through `encode_batch`, which releases the GIL (`encode`
+        holds it): a long prompt tokenized on a server's worker thread then stalls no
+        other thread, the event loop included."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def id_to_token(self, token: int) -> str | None:
         """The vocabulary's string of one id ("Ġword" in byte-level BPE), None if unknown."""

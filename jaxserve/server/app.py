@@ -172,21 +172,32 @@ def create_app(state: ServerState) -> FastAPI:
                                           f"{what}", err, traceback=True)
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
-    async def admit(served: ServedModel, body, build: Callable, answer_as: str,
-                    request_id: str | None, lora: Adapter | None):
-        """The job of `body` on `served` (its grammar compiled off the event loop first, and
-        a chat request's tool schemas checked by compiling them)."""
+    def build_job(served: ServedModel, body, build: Callable, answer_as: str,
+                  request_id: str | None, lora: Adapter | None):
+        """The job of `body` on `served`, not yet queued: its caps checked, its prompts
+        tokenized (a chat's rendered), a chat request's tool schemas checked by compiling
+        them, its grammar compiled (first here, so that an error names the field the client
+        sent; the job finds it cached). Seconds for a long prompt: run it off the event
+        loop."""
+        state.request_limits.check(body)
         structured = body.structured()
         checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []
         checks += [(body.structured_field(), structured)] if structured is not None else []
-        for field, constraint in checks:  # compiled off the event loop; the job finds it cached
+        for field, constraint in checks:
             try:
-                await asyncio.to_thread(served.llm.engine.grammar_compiler().compile,
-                                        constraint)
+                served.llm.engine.grammar_compiler().compile(constraint)
             except InvalidRequestError as err:
                 err.field = field  # the name the client sent
                 raise
         return build(served, body, answer_as, request_id, lora=lora)
+
+    async def admit(served: ServedModel, body, build: Callable, answer_as: str,
+                    request_id: str | None, lora: Adapter | None):
+        """The job of `body` on `served`, built on a worker thread (so `/health` and every
+        stream carry on meanwhile), then queued here on the event loop."""
+        job = await asyncio.to_thread(build_job, served, body, build, answer_as, request_id,
+                                      lora)
+        return job.start()
 
     async def run(request: Request, body, build: Callable):
         adapter = state.find_adapter(body.model) if state.ready else None

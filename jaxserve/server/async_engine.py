@@ -85,22 +85,27 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
+        """Step while requests exist and hand out the deltas. A failed step fails only its
+        own requests (inside `step`); anything raised here (the engine gave up, or handing
+        out its deltas failed) ends the thread, so every request fails and `on_failure`
+        marks the engine dead: no request would be answered again."""
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                deltas = self._step_once()
+                if self.on_step is not None:
+                    self.on_step(deltas)
+                self._deliver(deltas)
+        except Exception as err:  # noqa: BLE001 - the engine thread cannot go on
+            log.exception("the engine cannot serve any more; failing every request")
             try:
-                deltas = self._step_once()  # a failed step fails only its own requests
-            except Exception as err:  # noqa: BLE001 - the engine gave up (EngineFailedError)
-                log.exception("the engine cannot serve any more; failing every request")
                 if self.on_failure is not None:
                     self.on_failure(f"the engine failed: {err}")
+            finally:
                 self._fail_all(str(err))
-                return
-            if self.on_step is not None:
-                self.on_step(deltas)
-            self._deliver(deltas)
 
     def _step_once(self) -> list[StreamDelta]:
         """One step of the engine, in a turn of its devices if it has a seat on them.
@@ -164,29 +169,33 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(reason))
 
     # ---- handler side -------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None, cache_salt: str | None = None,
-               lora: Adapter | None = None) -> Sequence:
-        """Validate and queue a request (raises ValueError / QueueFullError); call from the
-        event loop, then iterate `stream(request_id)`."""
+    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                prompt: str | None = None, cache_salt: str | None = None,
+                lora: Adapter | None = None) -> Sequence:
+        """Validate a request and build its sequence (raises ValueError naming the field).
+        Thread-safe, and best called off the event loop: it may compile a grammar."""
+        return self.engine.make_sequence(request_id, prompt_token_ids, params, prompt,
+                                         cache_salt, lora)
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queue prepared sequences, all or none (raises QueueFullError, RetiredError or
+        EngineDeadError); call from the event loop, then iterate `stream(request_id)` of
+        each."""
+        loop = asyncio.get_running_loop()
         with self._lock:  # counted here: queued requests the scheduler has not seen yet too
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
             if self._retired:
                 raise RetiredError("this model version is being removed")
             waiting = sum(seq.status is Status.WAITING for seq in self._sequences.values())
-        if waiting >= self.max_waiting:
-            raise QueueFullError(f"{waiting} requests are waiting; retry later")
-        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt,
-                                        cache_salt, lora)
-        with self._lock:
-            if self._retired:  # retired while this request was being validated
-                raise RetiredError("this model version is being removed")
-            self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
-            self._sequences[request_id] = seq
-        self.engine.enqueue(seq)
+            if waiting + len(sequences) > self.max_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting; retry later")
+            for seq in sequences:
+                self._streams[seq.request_id] = (loop, asyncio.Queue())
+                self._sequences[seq.request_id] = seq
+        for seq in sequences:
+            self.engine.enqueue(seq)
         self._wake.set()
-        return seq
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
         """Deltas of a submitted request until it finishes; deltas that queued up while the

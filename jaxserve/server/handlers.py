@@ -1,7 +1,8 @@
 """One API request turned into engine requests ("choices") and back into OpenAI bodies.
 
-A job submits `n` choices per prompt (`request_id` = job id + choice index, so the choices
-of a batch of prompts come back in order), then either collects them into one JSON body or
+A job builds `n` choices per prompt (`request_id` = job id + choice index, so the choices
+of a batch of prompts come back in order) off the event loop (tokenizing a long prompt takes
+seconds), queues them on it (`start`), then either collects them into one JSON body or
 streams them as server-sent events. Cancelling the job (client gone) ends every choice's
 stream, which aborts it in the engine. The job id (the body's `id`) is always the server's
 own, so engine request ids stay unique; the client's `X-Request-Id` is recorded as the job's
@@ -71,20 +72,26 @@ class Job:
         self.created = now()
         self.model = answer_as
         self.choices: list[Choice] = []
+        self._sequences: list = []  # built, queued by `start`
         try:
             self.structured = body.structured()
             for prompt_index, (text, ids) in enumerate(self.prompts()):
                 max_tokens = self.max_tokens(len(ids))
                 for j in range(body.n):
-                    self._submit(prompt_index * body.n + j, text, ids, max_tokens, j)
-        except Exception as err:
-            for choice in self.choices:
-                self.engine.cancel(choice.request_id)
-            if isinstance(err, InvalidRequestError):
-                err.field = self.param(err.field)
+                    self._prepare(prompt_index * body.n + j, text, ids, max_tokens, j)
+        except InvalidRequestError as err:
+            err.field = self.param(err.field)
             raise
+
+    def start(self) -> "Job":
+        """Queue every choice in the engine, all or none (on the event loop; the
+        constructor, which tokenizes, renders templates and compiles grammars, runs off
+        it)."""
+        self.engine.submit(self._sequences)
+        self._sequences = []
         log.debug("request %s: job %s, engine requests %s", self.request_id, self.id,
                   [c.request_id for c in self.choices])
+        return self
 
     def param(self, field: str | None) -> str | None:
         """The request field that an error about engine-level `field` names (OpenAI's
@@ -127,13 +134,14 @@ class Job:
                                       f"context length ({self.max_model_len})")
         return wanted
 
-    def _submit(self, index: int, text, ids, max_tokens: int, j: int) -> None:
+    def _prepare(self, index: int, text, ids, max_tokens: int, j: int) -> None:
         logprobs = self.logprobs_count()
         params = self.body.sampling_params(max_tokens, logprobs, j,
                                            self.prompt_logprobs_count(), self.structured,
                                            self.keeps_special_tokens())
         request_id = f"{self.id}-{index}"
-        self.engine.submit(request_id, ids, params, text, self.body.cache_salt, self.lora)
+        self._sequences.append(self.engine.prepare(request_id, ids, params, text,
+                                                   self.body.cache_salt, self.lora))
         self.choices.append(Choice(index, request_id, ids, logprobs, self.echo_text(text, ids)))
 
     # ---- bodies -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What the server holds: its models (`jaxserve.fleet`, loaded on a background thread), the
-metrics, and the request limits."""
+metrics, and the request limits (`jaxserve.server.limits`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.limits import RequestLimits
 from jaxserve.server.prometheus import PrometheusMetrics
 from jaxserve.tool_calling import ChatParsing
 
@@ -41,6 +42,7 @@ class ServerOptions:
     metrics_need_api_key: bool = False  # /metrics behind the API key too
     max_body_bytes: int = 4 << 20
     max_waiting_requests: int = 1024
+    request_limits: RequestLimits = RequestLimits()  # stop strings, tools, schema sizes
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     models_file: str | None = None  # several models and versions (jaxserve.fleet)
     routing_seed: int = 0  # of the weighted choice among a name's versions
@@ -76,6 +78,7 @@ class ServerState:
         self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key
         self.max_body_bytes = options.max_body_bytes
+        self.request_limits = options.request_limits
         self.chat_parsing = options.chat_parsing
         self.created = int(time.time())
         self.prometheus = PrometheusMetrics()

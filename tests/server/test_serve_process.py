@@ -109,7 +109,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     (["--page-size", "7"], "--page-size: invalid choice: 7 (choose from 16, 32, 64, 128)"),
     (["--max-num-seqs", "600"], "max_num_batched_tokens (512) must be >= max_num_seqs (600)"),
     (["--tensor-parallel-size", "64"], "tensor_parallel_size (64)"),
-], ids=["missing-model", "page-size", "conflict", "mesh"])
+    (["--max-tools", "0"], "max_tools must be a positive integer, got 0"),
+], ids=["missing-model", "page-size", "conflict", "mesh", "request-cap"])
 def test_options_that_cannot_work_exit_2_before_serving(args, message):
     """Checked before the socket opens: a non-zero exit within seconds, the reason on
     stderr, not a server that answers 503 forever."""

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import jsonschema
+import numpy
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -173,6 +174,39 @@ def test_malformed_json_and_oversized_body(server):
     huge = httpx.post(f"{server.url}/v1/completions",
                       json={"model": NAME, "prompt": "x" * (5 << 20)})
     assert huge.status_code == 413 and "error" in huge.json()
+
+
+def test_health_answers_while_the_largest_body_is_tokenized(server):
+    """A prompt that fills the default body limit (4 MiB) takes seconds to tokenize. That
+    runs on a worker thread, so `/health` (a Kubernetes probe gives up after 3 s) and every
+    stream carry on meanwhile; then the prompt is refused, far past the context length."""
+    sentence = "Once upon a time a little fox lived in the forest by the lazy dog. "
+    shell = len(json.dumps({"model": NAME, "prompt": ""}))
+    prompt = (sentence * (ServerOptions.max_body_bytes // len(sentence) + 1))[
+        :ServerOptions.max_body_bytes - shell]
+    body = json.dumps({"model": NAME, "prompt": prompt}).encode()
+    assert len(body) == ServerOptions.max_body_bytes  # admitted: the largest body allowed
+    answer = {}
+    sender = threading.Thread(target=lambda: answer.setdefault("response", httpx.post(
+        f"{server.url}/v1/completions", content=body, timeout=120,
+        headers={"content-type": "application/json"})))
+    # The longest time between two answers to /health: the probes run in this process, so
+    # a thread holding the GIL (as `tokenizers` does in `encode`) stalls them too.
+    answered = [time.perf_counter()]
+    sender.start()
+    while sender.is_alive():
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        answered.append(time.perf_counter())
+        time.sleep(0.05)
+    sender.join()
+    took, longest = answered[-1] - answered[0], max(numpy.diff(answered))
+    print(f"/health went at most {longest * 1000:.0f} ms unanswered ({len(answered) - 1} "
+          f"probes) while a {len(body)}-byte body took {took:.1f} s to answer")
+    response = answer["response"]
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    # on the event loop, a probe would wait for most of the tokenization; the bound is
+    # relative too, as a busy shared machine slows every probe
+    assert longest < min(3.0, took / 4)
 
 
 def test_api_key_and_queue_full(server):

@@ -3,6 +3,7 @@ error shape (an error event in a stream) while the server goes on serving; an en
 gives up turns `/health` to 500 so that a supervisor restarts the process."""
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -64,3 +65,26 @@ def test_an_engine_that_gives_up_fails_health(server, monkeypatch):
     wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 500, 30,
                "health still passes after the engine gave up")
     assert "engine failed" in httpx.get(f"{server.url}/health").json()["error"]["message"]
+
+
+def test_a_fault_in_delivery_kills_the_engine_and_fails_health(server, monkeypatch, caplog):
+    """Handing out a step's deltas is the engine thread's too: if it raises, no request would
+    be answered again, so the engine is dead: its requests fail, `/health` answers 500 and
+    the server is asked to exit (`on_fatal`; `jaxserve serve` then exits 1)."""
+    exits = []
+    server.state.on_fatal = lambda: exits.append(True)
+
+    def broken(deltas):
+        raise RuntimeError("injected delivery fault")
+    monkeypatch.setattr(server.state.engine, "_deliver", broken)
+    answer = {}
+    sender = threading.Thread(target=lambda: answer.setdefault("response", httpx.post(
+        f"{server.url}/v1/completions", json=BODY, timeout=60)), daemon=True)
+    sender.start()
+    wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 500, 30,
+               "/health still passes after the engine thread failed")
+    sender.join(timeout=30)
+    failed = answer["response"]
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert "injected delivery fault" in server.state.fatal_error and exits == [True]
+    assert "injected delivery fault" in caplog.text  # the reason, with its traceback, logged

@@ -173,6 +173,9 @@ def test_batched_token_prompts_come_back_in_order(client):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"stop": ["s"] * 33}, "stop"),  # the default caps (jaxserve.server.limits)
+    ({"stop": "s" * 257}, "stop"),
+    ({"guided_choice": ["c" * 1000] * 66}, "guided_choice"),  # 66 KB as JSON, past 64 KiB
 ])
 def test_bad_fields_are_named(server, body, param):
     answer = httpx.post(f"{server.url}/v1/completions",

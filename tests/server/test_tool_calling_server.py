@@ -180,6 +180,9 @@ def test_history_with_calls_and_tool_results_is_accepted(client):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS * 65}, "tools"),  # 130 tools: past the default cap of 128
+    ({"tools": [TOOLS[0], {"type": "function", "function": {
+        **TOOLS[1]["function"], "description": "x" * (64 << 10)}}]}, "tools.1"),
 ])
 def test_bad_tools_are_refused_naming_the_field(server, body, param):
     answer = httpx.post(f"{server.url}/v1/chat/completions", json={

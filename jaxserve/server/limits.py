@@ -1,0 +1,76 @@
+"""Caps on what one request may make the server do, checked before any of it is done.
+
+Each cap bounds a cost that grows with a field the client chooses and that the body-size
+limit alone leaves too large:
+
+- stop strings are searched for after every generated token, on the engine thread that
+  serves every request (`jaxserve.engine.stop_strings`): their count and each one's length
+  bound that search. OpenAI allows 4 stop sequences; vLLM sets no cap.
+- tools: the chat template renders each one into the prompt, and each one's parameters are
+  compiled as a grammar to check them. OpenAI allows 128 tools.
+- schemas and grammars (each tool entry, and the request's own output constraint:
+  `response_format`, `structured_outputs`, `guided_json`, `guided_regex`,
+  `guided_choice`, `guided_grammar`): compiling one takes time that grows with its size
+  (faster than linearly for a long list of choices), so a flood of large, distinct ones
+  would keep the grammar compiler busy. llguidance's own limits (`LLParserLimits`: lexer
+  fuel and grammar size, left at its defaults) bound the work of compiling what passes.
+
+A request past a cap is a `InvalidRequestError` naming the field (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxserve.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """The caps; the defaults suit an interactive server (the flags of `jaxserve serve`
+    change them)."""
+
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_tools: int = 128  # OpenAI's limit
+    max_schema_bytes: int = 64 << 10  # each tool entry, and the output constraint
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+
+    def check(self, body) -> None:
+        """Raise `InvalidRequestError` naming the first field of `body` (a completion or
+        chat request, `jaxserve.server.protocol`) past a cap."""
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.max_stop_strings:
+            raise InvalidRequestError("stop", f"stop has {len(stops)} strings; at most "
+                                      f"{self.max_stop_strings} are allowed")
+        for i, stop in enumerate(stops):
+            if len(stop) > self.max_stop_string_chars:
+                raise InvalidRequestError(
+                    "stop", f"stop[{i}] has {len(stop)} characters; at most "
+                            f"{self.max_stop_string_chars} are allowed")
+        tools = getattr(body, "tools", None) or []
+        if len(tools) > self.max_tools:
+            raise InvalidRequestError("tools", f"tools has {len(tools)} entries; at most "
+                                      f"{self.max_tools} are allowed")
+        for i, tool in enumerate(tools):
+            self._check_size(f"tools.{i}", tool)
+        for field in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar"):
+            if getattr(body, field) is not None:
+                self._check_size(field, getattr(body, field))
+
+    def _check_size(self, field: str, value: Any) -> None:
+        """`value` (text, or JSON counted as compact JSON) fits in `max_schema_bytes`."""
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"),
+                                                               ensure_ascii=False)
+        size = len(text.encode())
+        if size > self.max_schema_bytes:
+            raise InvalidRequestError(field, f"{field} is {size} bytes; at most "
+                                      f"{self.max_schema_bytes} are allowed")
