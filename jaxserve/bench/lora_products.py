@@ -40,11 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def masked(x, a, b, slots):
-    import jax
-
     from jaxserve.model.lora import masked_delta
 
-    return masked_delta(x, a, b, jax.nn.one_hot(slots, a.shape[0], dtype=x.dtype))
+    return masked_delta(x, a, b, slots)
 
 
 def gathered(x, a, b, slots):
