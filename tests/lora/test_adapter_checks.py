@@ -115,7 +115,7 @@ def with_header(header, data: bytes = b"") -> bytes:
     (with_header({B_OF_Q0: {"dtype": "F32", "shape": [4, "x"], "data_offsets": [0, 64]}},
                  bytes(64)), "malformed safetensors header"),
     (b"\xff" * 16, "is not a safetensors file"),
-])
+], ids=["not-an-object", "no-offsets", "bad-shape", "not-safetensors"])
 def test_malformed_safetensors_headers_are_refused(base, attn, tmp_path, content, message):
     folder = copy_of(attn, tmp_path / "a")
     (folder / WEIGHTS).write_bytes(content)
