@@ -146,7 +146,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int,
     plan = _planned_pairs(weights, cfg, max_lora_rank, tensor_parallel_size)
     arrays = {}
     for name, tensor in mapped_tensors(weights):
-        arrays[name] = _converted(tensor)
+        arrays[name] = np.asarray(tensor, np.float32)  # [r, in] or [out, r]
         if not np.isfinite(arrays[name]).all():
             raise ValueError(f"{WEIGHTS_FILE}: tensor {name!r} holds non-finite values "
                              "(NaN or inf)")
@@ -166,11 +166,6 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int,
             raise ValueError(f"{CONFIG_FILE}: lora_alpha {config['lora_alpha']!r} scales "
                              f"{name_b!r} beyond float32's range")
     return LoRAAdapter(str(path), max(r for _, _, r, _ in plan.values()), stacks)
-
-
-def _converted(tensor: np.ndarray) -> np.ndarray:
-    """A tensor of the file as float32 (a copy, read from the mapped file)."""
-    return np.asarray(tensor, np.float32)
 
 
 def _planned_pairs(weights: Path, cfg: ModelConfig, max_lora_rank: int,
