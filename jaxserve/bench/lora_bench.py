@@ -113,7 +113,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                               (args.swap_slots, [args.max_loras])):
             print(f"LoRA engine, {slots} slots ...", flush=True)
             llm = LLM(folder, dtype=args.dtype, progress=False, enable_lora=True,
-                      max_loras=slots, max_lora_rank=args.max_lora_rank, **options)
+                      max_loras=slots, max_cpu_loras=max(slots, args.max_loras),
+                      max_lora_rank=args.max_lora_rank, **options)
             llm.generate(prompts[:1], params)
             for count in counts:
                 loras = [requests[i % count] if count else None for i in range(args.batch)]

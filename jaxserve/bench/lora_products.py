@@ -4,8 +4,8 @@ A step's tokens each name an adapter slot (or none, -1); a projection adds
 `delta[t] = (x[t] @ A[slot[t]]) @ B[slot[t]]`. The candidates, for one projection
 (`x [T, in]`, `A [S, in, R]`, `B [S, R, out]`):
 - `masked` (`jaxserve.model.lora.masked_delta`, for programs of more than one token):
-  every token through every slot's A, the `[T, S, R]` result masked by the token's one-hot
-  slot, contracted with B. Work T·S·R·(in + out); no gather, no sort.
+  every token through every slot's A, the `[T, S, R]` result keeping only the token's own
+  slot's columns, contracted with B. Work T·S·R·(in + out); no gather, no sort.
 - `gathered` (`gathered_delta`, for one-token programs; punica's and sglang-jax's bgmv):
   each token's A and B gathered, `[T, in, R]` and `[T, R, out]`, then a batched matvec.
   Work T·R·(in + out), but the gathered copies are T times an adapter's bytes.
@@ -40,11 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def masked(x, a, b, slots):
-    import jax
-
     from jaxserve.model.lora import masked_delta
 
-    return masked_delta(x, a, b, jax.nn.one_hot(slots, a.shape[0], dtype=x.dtype))
+    return masked_delta(x, a, b, slots)
 
 
 def gathered(x, a, b, slots):

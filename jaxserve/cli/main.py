@@ -124,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
                            args.max_schema_bytes)
     chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
                                args.reasoning_parser)
+    runtime_lora = runtime_lora_updating(args)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     listener = _listen_socket(args.host, args.port) if multihost.is_leader() else None
     if args.models is not None:
@@ -152,7 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         options, api_key=api_key, admin_api_key=admin_api_key,
         metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-        request_limits=limits, chat_parsing=chat_parsing))
+        request_limits=limits, chat_parsing=chat_parsing, runtime_lora=runtime_lora))
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout))
@@ -252,6 +253,20 @@ def _check_before_serving(model: str, dtype: str | None, config: str | None,
             read_adapter_config(adapter_folder(path))
         except ValueError as err:
             raise ValueError(f"LoRA adapter {name}: {err}") from None
+
+
+def runtime_lora_updating(args: argparse.Namespace):
+    """The operator's leave for runtime LoRA loads (`RuntimeLoRAUpdating`), or None when
+    neither `--allow-runtime-lora-updating` nor `VLLM_ALLOW_RUNTIME_LORA_UPDATING` turns it
+    on (`ValueError` for the roots or the Hub flag given without it)."""
+    from jaxserve.lora.runtime import RuntimeLoRAUpdating, env_allows_runtime_updating
+
+    if not (args.allow_runtime_lora_updating or env_allows_runtime_updating()):
+        if args.lora_allowed_roots or args.lora_allow_hub:
+            raise ValueError("--lora-allowed-roots and --lora-allow-hub apply to runtime "
+                             "LoRA loads: add --allow-runtime-lora-updating")
+        return None
+    return RuntimeLoRAUpdating(tuple(args.lora_allowed_roots or ()), args.lora_allow_hub)
 
 
 def lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -411,6 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="LoRA adapters (PEFT folders) to serve at start, as vLLM takes "
                             "them: name=path or '{\"name\": ..., \"path\": ...}'; requests "
                             "name them as their model (needs --enable-lora)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="register POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1/true); needs "
+                            "--lora-allowed-roots and/or --lora-allow-hub")
+    serve.add_argument("--lora-allowed-roots", nargs="+", default=None, metavar="DIR",
+                       help="runtime loads: lora_path must be a folder under one of these")
+    serve.add_argument("--lora-allow-hub", action="store_true",
+                       help="runtime loads: lora_path may be a Hugging Face Hub id (fetched "
+                            "with the server's token)")
     serve.add_argument("--coordinator-address", default=None,
                        help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
     serve.add_argument("--num-processes", type=int, default=None)

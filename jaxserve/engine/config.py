@@ -114,6 +114,9 @@ class EngineConfig:
                              "more wait in host memory and are swapped in")
     max_lora_rank: int = _option(16, "lora", "largest adapter rank; smaller ranks are "
                                  "zero-padded to it")
+    max_cpu_loras: int | None = _option(None, "lora", "most adapters held in host memory "
+                                        "(loading one more is refused); at least max_loras "
+                                        "(default: max_loras)")
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -128,6 +131,11 @@ class EngineConfig:
                      "num_decode_steps", "tensor_parallel_size", "data_parallel_size",
                      "max_loras", "max_lora_rank"):
             _positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is not None:
+            _positive_int("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                                 f"({self.max_loras})")
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora with speculative_config is not supported: the "
                              "proposals and their verification would need the adapter too")

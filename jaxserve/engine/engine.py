@@ -236,8 +236,9 @@ class Engine:
         self._seed_rng = np.random.default_rng(0)
         self._grammars = None  # GrammarCompiler, built at the first structured request
         # LoRA adapters by name (host memory); each replica's scheduler has their slots
-        self.loras = AdapterRegistry(self.model_config, config.max_lora_rank,
-                                     config.tensor_parallel_size) if config.enable_lora else None
+        self.loras = AdapterRegistry(
+            self.model_config, config.max_lora_rank, config.tensor_parallel_size,
+            config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self._grammars_lock = threading.Lock()
         self._stopped = False
         self.failure: str | None = None  # why the engine gave up, for good
@@ -333,10 +334,11 @@ class Engine:
         return sorted(running), sorted(waiting - running)
 
     def _write_adapters(self, replica: Replica) -> None:
-        """Write into the replica's slots the adapters its scheduler just gave them."""
+        """Write into the replica's slots the adapters its scheduler just gave them, and
+        zeros into the slots of unloaded adapters nobody uses any more."""
         if replica.scheduler.lora_slots is not None:
             for slot, adapter in replica.scheduler.lora_slots.take_loads():
-                replica.runner.load_lora(slot, adapter.weights)
+                replica.runner.load_lora(slot, None if adapter is None else adapter.weights)
 
     def grammar_compiler(self):
         """The compiler of structured-output grammars for this model's tokenizer (built on

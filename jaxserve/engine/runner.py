@@ -209,12 +209,12 @@ class Runner:
         inp, *rest = unpack(packed, layout)
         return model, dataclasses.replace(inp, history=history, allowed=allowed), *rest
 
-    def _lora(self, state_leaves, token_slots, dtype) -> LoRABatch | None:
+    def _lora(self, state_leaves, token_slots) -> LoRABatch | None:
         """The adapters' slot stacks and each token's slot, or None without LoRA."""
         if not self._num_lora_leaves:
             return None
         stacks = jax.tree.unflatten(self._lora_def, state_leaves[-self._num_lora_leaves:])
-        return LoRABatch.of(stacks, token_slots, dtype)
+        return LoRABatch.of(stacks, token_slots)
 
     def load_lora(self, slot: int, weights: LoRAAdapter | None) -> list[jax.Array]:
         """Write an adapter's stacks (None: zeros) into `slot`: one compiled program for any
@@ -253,7 +253,7 @@ class Runner:
             if head is None:
                 _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
                                            draft[1].for_step(batch))
-        lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)
+        lora = self._lora(state_leaves, inp.lora_slots)
         forward = model(token_ids, inp.positions, caches, self.attention.for_step(batch), lora,
                         aux_layers=() if head is None else head.eagle.aux_layer_ids,
                         count_experts=self.counts_experts)
@@ -303,7 +303,7 @@ class Runner:
         done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
-        lora = self._lora(state_leaves, inp.lora_slots, model.compute_dtype)  # a token a row
+        lora = self._lora(state_leaves, inp.lora_slots)  # a token a row
 
         def cond(carry):
             step, _, _, done, *_ = carry

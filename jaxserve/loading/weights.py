@@ -227,6 +227,8 @@ def safetensors_header(file: Path) -> tuple[int, dict]:
             header = json.loads(handle.read(header_length))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{file.name}: safetensors header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file.name}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     return 8 + header_length, header
 

@@ -5,7 +5,9 @@
   `max_lora_rank` (plain numpy: host memory holds every loaded adapter);
 - `slots`: which adapter each of the `max_loras` device slots holds, in use by whom, and
   which to load next (least recently used first); the scheduler asks it at admission;
-- `registry`: the adapters an engine has read, by name (the server loads and unloads them);
+- `registry`: the adapters an engine has read, by name (the server loads and unloads them),
+  at most `max_cpu_loras`, one load per name at a time;
+- `runtime`: what clients may load while the server runs, when the operator allows it;
 - `stacks`: the slots' arrays on the device, placed like their base projections.
 
 The arithmetic on the device is `jaxserve.model.lora`; the engine (`Runner.load_lora`)

@@ -7,13 +7,15 @@ every slot is held by running sequences of other adapters, the sequence waits an
 scheduler admits the requests behind it. A replaced slot is written before the next step
 (`take_loads`, then `Runner.load_lora`), and any step already on the device reads the slot
 before the write lands (the write takes the slot stacks as a donated input, so it waits for
-their readers).
+their readers). A slot whose adapter was unloaded is zeroed on the device once nobody uses
+it, so nothing of a forgotten adapter stays in the programs' inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler imports this module without jax
@@ -47,7 +49,9 @@ class SlotTable:
         self.users = [0] * num_slots
         self._released_at = [0] * num_slots
         self._clock = itertools.count(1)
-        self._loads: dict[int, Adapter] = {}  # slot -> adapter to write before the next step
+        # slot -> adapter to write before the next step (None: zeros)
+        self._loads: dict[int, Adapter | None] = {}
+        self._forgotten: weakref.WeakSet[Adapter] = weakref.WeakSet()  # unloaded adapters
 
     def acquire(self, adapter: Adapter) -> int | None:
         """A slot holding `adapter` for one more sequence, or None when none can be had."""
@@ -68,17 +72,24 @@ class SlotTable:
             raise RuntimeError(f"LoRA slot {slot} released more often than acquired")
         self.users[slot] -= 1
         self._released_at[slot] = next(self._clock)
+        if self.users[slot] == 0 and self.adapters[slot] in self._forgotten:
+            self._free(slot)
 
     def forget(self, adapter: Adapter) -> None:
-        """`adapter` was unloaded: a slot holding it idle becomes free (one still in use keeps
-        it until its sequences finish)."""
+        """`adapter` was unloaded: a slot holding it idle becomes free and is zeroed (one
+        still in use keeps it until its sequences finish, then is zeroed)."""
+        self._forgotten.add(adapter)
         for slot, held in enumerate(self.adapters):
             if held is adapter and self.users[slot] == 0:
-                self.adapters[slot] = None
-                self._loads.pop(slot, None)
+                self._free(slot)
 
-    def take_loads(self) -> list[tuple[int, Adapter]]:
-        """The (slot, adapter) writes owed to the device, once each."""
+    def _free(self, slot: int) -> None:
+        """Empty `slot` and owe the device a write of zeros there."""
+        self.adapters[slot] = None
+        self._loads[slot] = None
+
+    def take_loads(self) -> list[tuple[int, Adapter | None]]:
+        """The (slot, adapter) writes owed to the device, once each (None: zeros)."""
         loads, self._loads = sorted(self._loads.items()), {}
         return loads
 

@@ -36,9 +36,17 @@ def slot_stacks(cfg: ModelConfig, max_loras: int, max_lora_rank: int, mesh: Mesh
 def write_slot(stacks: list[jax.Array], slot: jax.Array, new: list[jax.Array]
                ) -> list[jax.Array]:
     """`stacks` (each `[L, S, ...]`) with slot `slot` replaced by `new` (each `[L, ...]`);
-    jitted with the stacks donated, so the write is in place."""
-    return [stack.at[:, slot].set(value.astype(stack.dtype))
-            for stack, value in zip(stacks, new)]
+    jitted with the stacks donated, so the write is in place.
+
+    Anything non-finite after the cast to the stacks' dtype is written as zero: the masked
+    product multiplies every slot's B by the other tokens' zeros (`jaxserve.model.lora`),
+    and 0 x NaN would reach them. The loader refuses such adapters; this keeps the slots
+    finite whatever writes them (a float32 value beyond float16's range included)."""
+    written = []
+    for stack, value in zip(stacks, new):
+        value = value.astype(stack.dtype)  # [L, ...]
+        written.append(stack.at[:, slot].set(jnp.where(jnp.isfinite(value), value, 0)))
+    return written
 
 
 def slot_stack_bytes(cfg: ModelConfig, max_loras: int, max_lora_rank: int, mesh: Mesh,

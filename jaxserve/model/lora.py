@@ -9,13 +9,21 @@ adapter's scaling). Every token names a slot or none (-1), and a projection's ou
 computed one of two ways, chosen per program by its token count (a static shape, so nothing
 compiles after warm-up whatever the mix of adapters; a token without an adapter gets exactly
 zero either way):
-- masked, for every program of more than one token: all slots at once, masked by the
-  token's one-hot slot row: `x [T, in] @ A [S, in, R] -> [T, S, R]`, times `one_hot [T, S]`,
+- masked, for every program of more than one token: all slots at once, each token keeping
+  only its own slot's column: `x [T, in] @ A [S, in, R] -> [T, S, R]`, the other slots'
+  columns selected away (`jnp.where`, not multiplied by a one-hot row: inf x 0 is NaN),
   then contracted with `B [S, R, out]`. A matmul S·R columns wide beside the base
   projection's `out` (8 slots of rank 16: 128 columns beside 4,096), with no gather and no
   sort.
 - gathered, for a one-token program (a single request's decode step): that token's A and B
   alone. Every slot's product would read S times the weights it needs.
+
+One adapter cannot change another row's output: a token without an adapter gets its delta
+selected to exactly zero whatever the slots hold, and an adapter whose `x @ A` overflows
+(huge but finite weights pass the load checks) reaches only its own tokens. The masked
+contraction still multiplies the other slots' B by zeros, so the slots must hold finite
+values: the slot write (`jaxserve.lora.stacks.write_slot`) is their only writer and zeroes
+anything non-finite, and the loader refuses non-finite adapters (`jaxserve.lora.adapter`).
 `jaxserve bench lora-products` measures these two and a grouped matmul over rows sorted by
 slot, on CPU and compile-only TPU/GPU targets (docs/lora.md has the figures and why).
 
@@ -71,19 +79,16 @@ GATHER_MAX_TOKENS = 1  # programs of at most this many tokens gather each token'
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
     """What one forward needs of the adapters: each module's slot stacks (`[L, S, ...]` for
-    the model, one layer's `[S, ...]` inside a layer), each token's slot `[...]` int32 (-1:
-    no adapter) and the same as a one-hot row `[..., S]` in the compute dtype (all zeros: no
-    adapter)."""
+    the model, one layer's `[S, ...]` inside a layer) and each token's slot `[...]` int32
+    (-1: no adapter)."""
 
     stacks: dict[str, tuple[jax.Array, jax.Array]]
     slots: jax.Array
-    one_hot: jax.Array
 
     @classmethod
-    def of(cls, stacks, token_slots: jax.Array, dtype) -> "LoRABatch":
+    def of(cls, stacks, token_slots: jax.Array) -> "LoRABatch":
         """`token_slots [...]` int32, -1 for a token without an adapter."""
-        num_slots = next(iter(stacks.values()))[0].shape[1]
-        return cls(stacks, token_slots, jax.nn.one_hot(token_slots, num_slots, dtype=dtype))
+        return cls(stacks, token_slots)
 
     def with_stacks(self, stacks) -> "LoRABatch":
         """This batch's tokens with other stacks (one layer's, inside a scan)."""
@@ -99,23 +104,27 @@ class LoRABatch:
         a, b = a.astype(x.dtype), b.astype(x.dtype)
         if x.size // x.shape[-1] <= GATHER_MAX_TOKENS:
             return gathered_delta(x, a, b, self.slots)
-        return masked_delta(x, a, b, self.one_hot.astype(x.dtype))
+        return masked_delta(x, a, b, self.slots)
 
 
-def masked_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> jax.Array:
-    """x `[..., in]`, A `[S, in, R]`, B `[S, R, out]`, one_hot `[..., S]` -> `[..., out]`:
-    every slot's product, masked per token."""
+def masked_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """x `[..., in]`, A `[S, in, R]`, B `[S, R, out]`, slots `[...]` (-1: none) ->
+    `[..., out]`: every slot's product, each token keeping its own slot's."""
+    own = slots[..., None] == jnp.arange(a.shape[0])  # [..., S] bool
     down = jnp.einsum("...i,sir->...sr", x, a)  # [..., S, R]
-    return jnp.einsum("...sr,sro->...o", down * one_hot[..., None], b)
+    down = jnp.where(own[..., None], down, 0)  # the other slots' columns: exactly zero
+    delta = jnp.einsum("...sr,sro->...o", down, b)  # [..., out]
+    return jnp.where((slots >= 0)[..., None], delta, 0)
 
 
 def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
     """x `[..., in]`, A `[S, in, R]`, B `[S, R, out]`, slots `[...]` (-1: none) ->
-    `[..., out]`: each token's own A and B."""
+    `[..., out]`: each token's own A and B (slot 0's for a token without one, whose delta
+    is then selected away)."""
     index = jnp.maximum(slots, 0)  # [...]
-    keep = (slots >= 0).astype(x.dtype)[..., None]  # [..., 1]
-    down = jnp.einsum("...i,...ir->...r", x, a[index]) * keep  # [..., R]
-    return jnp.einsum("...r,...ro->...o", down, b[index])
+    down = jnp.einsum("...i,...ir->...r", x, a[index])  # [..., R]
+    delta = jnp.einsum("...r,...ro->...o", down, b[index])  # [..., out]
+    return jnp.where((slots >= 0)[..., None], delta, 0)
 
 
 def add_delta(lora: LoRABatch | None, module: str, x: jax.Array, out: jax.Array

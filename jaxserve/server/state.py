@@ -16,6 +16,7 @@ from jaxserve.fleet.fleet import ModelFleet
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
+from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.limits import RequestLimits
@@ -48,6 +49,7 @@ class ServerOptions:
     routing_seed: int = 0  # of the weighted choice among a name's versions
     chat_parsing: ChatParsing = ChatParsing()  # tool-call and reasoning parsers, every model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    runtime_lora: RuntimeLoRAUpdating | None = None  # None: no load/unload routes
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):

@@ -144,7 +144,7 @@ def test_the_delta_is_each_tokens_own_adapter(tokens):
     x = rng.normal(size=(tokens, 6)).astype(np.float32)
     slots = np.array([2] if tokens == 1 else [0, -1, 2, 1, 1, -1, 0, 2, -1], np.int32)
     stacks = {"q_proj": (jnp.asarray(a[None]), jnp.asarray(b[None]))}  # one layer
-    batch = LoRABatch.of(stacks, jnp.asarray(slots), jnp.float32).layer(0)
+    batch = LoRABatch.of(stacks, jnp.asarray(slots)).layer(0)
     want = np.stack([x[t] @ a[s] @ b[s] if s >= 0 else np.zeros(5)
                      for t, s in enumerate(slots)])
     got = np.asarray(batch.delta("q_proj", jnp.asarray(x)))

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
+from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState
 from server_helpers import ADMIN_KEY, AS_ADMIN, serving
@@ -47,14 +48,15 @@ BASES = {  # a valid, cheap body per endpoint; fuzzing changes it
                              "max_tokens": 2, "logprobs": True},  # top_logprobs is used
     "/tokenize": {"model": NAME, "prompt": "ok"},
     "/detokenize": {"model": NAME, "tokens": [5, 6]},
-    # LoRA routes (the fuzzer sends the admin key): this server runs without --enable-lora,
-    # so they refuse (400) once the body validates; tests/server/test_lora_server.py covers
-    # them with adapters
+    # LoRA routes (runtime updating on, from the Hub; the fuzzer sends the admin key): this
+    # server runs without --enable-lora, so they refuse (400) once the body validates;
+    # tests/server/test_lora_server.py covers them with adapters
     "/v1/load_lora_adapter": {"lora_name": "fuzz", "lora_path": "no-such-folder"},
     "/v1/unload_lora_adapter": {"lora_name": "fuzz"},
 }
 
-OPENAPI = create_app(ServerState(ServerOptions(model=NAME))).openapi()
+RUNTIME_LORA = RuntimeLoRAUpdating(allow_hub=True)  # registers the LoRA routes
+OPENAPI = create_app(ServerState(ServerOptions(model=NAME, runtime_lora=RUNTIME_LORA))).openapi()
 SCHEMAS = OPENAPI["components"]["schemas"]
 ENDPOINTS = {path: operation["requestBody"]["content"]["application/json"]["schema"]
              for path, item in OPENAPI["paths"].items()
@@ -244,7 +246,8 @@ def short(body) -> str:
 @pytest.fixture(scope="module")
 def server(folder):
     options = ServerOptions(model=str(folder), served_model_name=[NAME],
-                            dtype="float32", engine_options=ENGINE, admin_api_key=ADMIN_KEY)
+                            dtype="float32", engine_options=ENGINE, admin_api_key=ADMIN_KEY,
+                            runtime_lora=RUNTIME_LORA)
     with serving(options) as running:
         yield running
 

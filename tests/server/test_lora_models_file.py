@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server.state import ServerOptions
 from peft_adapters import base_and_adapters
 from server_helpers import ADMIN_KEY, AS_ADMIN, serving
@@ -15,8 +16,8 @@ from tiny_models import SMALL_ENGINE
 
 MAX_TOKENS = 8
 PROMPT = [7 + (13 * i) % 280 for i in range(29)]
-BASE_OPTIONS = {**SMALL_ENGINE, "enable_lora": True, "max_loras": 1, "max_lora_rank": 8,
-                "strict_compile": True}
+BASE_OPTIONS = {**SMALL_ENGINE, "enable_lora": True, "max_loras": 1, "max_cpu_loras": 2,
+                "max_lora_rank": 8, "strict_compile": True}
 
 
 def models_toml(base, adapters: dict[str, str]) -> str:
@@ -36,7 +37,9 @@ def setup(tmp_path_factory):
     base, folders, expected = base_and_adapters(root, PROMPT, MAX_TOKENS, seed=7)
     models = root / "models.toml"
     models.write_text(models_toml(base, {"2": folders["attn"]}))
-    with serving(ServerOptions(models_file=str(models), admin_api_key=ADMIN_KEY)) as running:
+    runtime = RuntimeLoRAUpdating((str(root),))  # the routes, to see them refuse versions
+    with serving(ServerOptions(models_file=str(models), admin_api_key=ADMIN_KEY,
+                               runtime_lora=runtime)) as running:
         yield running, models, folders, expected
 
 
