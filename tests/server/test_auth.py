@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from jaxserve.cli.main import _serve, build_parser
 from jaxserve.fleet.fleet import ReloadError
+from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server import auth, state as state_module
 from jaxserve.server.app import create_app
 from jaxserve.server.async_engine import EngineDeadError
@@ -32,7 +33,9 @@ SECRET = "/home/someone/.cache/huggingface/hub/models--org--name/snapshots/abc"
 
 
 def app_of(**options) -> tuple[FastAPI, ServerState]:
-    state = ServerState(ServerOptions(**{"model": "tiny", **options}))
+    """The app with runtime LoRA updating on (its routes exist only then)."""
+    state = ServerState(ServerOptions(**{
+        "model": "tiny", "runtime_lora": RuntimeLoRAUpdating(allow_hub=True), **options}))
     return create_app(state), state
 
 
