@@ -150,6 +150,10 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotated(q, positions), self._rotated(k, positions)
+        # A row whose activations overflowed (an adapter's, say) must reach no other row:
+        # attention multiplies invisible keys' values by zero weights, and 0 x NaN is NaN,
+        # in this step and for the next owner of a page it wrote. So K/V are kept finite.
+        k, v = _finite(k), _finite(v)
         if self.query_scale is not None:
             q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
         sinks = {} if self.sinks is None else {"sinks": self.sinks[...].astype(jnp.float32)}
@@ -176,6 +180,11 @@ class Attention(nnx.Module):
         turned = apply_rope(x[..., :rotary], positions, inv_freq, rope_scale(self.rope))
         return turned if rotary == self.head_dim else jnp.concatenate(
             [turned, x[..., rotary:]], axis=-1)
+
+
+def _finite(x: jax.Array) -> jax.Array:
+    """`x` with its non-finite values (NaN, ±inf) as 0; the same bits everywhere else."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu,

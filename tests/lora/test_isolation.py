@@ -92,13 +92,15 @@ def test_the_slot_write_zeroes_what_is_not_finite():
 
 
 def test_poisoned_adapters_leave_the_other_rows_of_a_step_alone(folder, tmp_path):
-    """"huge" adapts the last layer's down_proj with A at 3e38: `x @ A` overflows for
-    every token the masked product computes it for (its own rows' logits go non-finite; no
-    attention follows to carry that further). "nan" is NaN throughout, past the checks."""
+    """"huge" adapts the first layer's down_proj with A at 3e38: `x @ A` overflows for
+    every token the masked product computes it for, so its own rows' hidden states, and
+    their keys and values in the next layer, go non-finite; attention must not carry them to
+    the other rows of the step (0 x NaN is NaN), nor a page they wrote to its next owner.
+    "nan" is NaN throughout, past the checks."""
     base = folder
     write_adapter(base, tmp_path / "attn", 0, **ADAPTERS["attn"])
     write_adapter(base, tmp_path / "huge", 1, r=2, lora_alpha=2, target_modules=["down_proj"],
-                  layers_to_transform=[1])
+                  layers_to_transform=[0])
     weights = tmp_path / "huge" / "adapter_model.safetensors"
     save_file({k: torch.full_like(v, 3e38) if ".lora_A." in k else v
                for k, v in load_file(weights).items()}, weights)
