@@ -13,8 +13,12 @@ Engines: jaxserve (engine options as `LLM` takes them, none by default); transfo
 `generate` (`--no-hf` skips it); vLLM with `--baseline vllm`, run by `--vllm-python` (an
 interpreter with vLLM, e.g. its own virtual environment) on its default options plus
 `--vllm-option`s (on CPU vLLM reserves `gpu_memory_utilization` of the host's memory and
-refuses to start when that is not free: 0.5 unless given). All decode greedily, or all sample
-at `--temperature` over the whole vocabulary.
+refuses to start when that is not free: 0.5 unless given), configured as its CPU users run
+it fast (`vllm_cpu_env`): its OpenMP threads bound to every core this process may use, as
+jaxserve's XLA uses them (`VLLM_CPU_OMP_THREADS_BIND`), and its KV space sized explicitly
+(`VLLM_CPU_KVCACHE_SPACE`, `--vllm-kv-space-gib`); a value already in the environment is
+kept. The configuration it ran with is printed. All decode greedily, or all sample at
+`--temperature` over the whole vocabulary.
 The roofline: bytes of weights read per decode step divided by a read bandwidth measured in
 the same run (a jitted reduction over a large array), beside jaxserve's batch-1 decode step.
 The transformers runs need the `bench` extra (torch, transformers); `--no-hf` skips them.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a vLLM engine argument (repeatable; default: "
                              "gpu_memory_utilization=0.5)")
+    parser.add_argument("--vllm-kv-space-gib", type=float, default=4.0,
+                        help="vLLM-CPU's KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE; "
+                             "default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an engine option for jaxserve, e.g. num_decode_steps=16 or "
@@ -210,10 +218,35 @@ def _hf_runs(folder: str, work: dict[str, dict], args) -> dict:
     return results
 
 
+def core_ranges(cores: set[int]) -> str:
+    """CPU ids as OpenMP's bind lists spell them: {0, 1, 2, 5} → "0-2,5"."""
+    ranges: list[list[int]] = []
+    for core in sorted(cores):
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def vllm_cpu_env(environ: dict[str, str], cores: set[int], kv_space_gib: float
+                 ) -> dict[str, str]:
+    """vLLM-CPU's settings as a user who wants it fast sets them: its OpenMP threads bound to
+    every core in `cores` (those this process may run on, which jaxserve's XLA uses) and
+    its KV space explicit. Settings already in `environ` win."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": core_ranges(cores),
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_space_gib:g}",
+            **{k: v for k, v in environ.items()
+               if k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
+
+
 def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
     """vLLM's rates from `vllm_baseline.py` run by `--vllm-python` (its progress on stderr)."""
-    print(f"vLLM (run by {args.vllm_python}) ...", flush=True)
     options = parse_engine_options(args.vllm_option) or {"gpu_memory_utilization": 0.5}
+    settings = vllm_cpu_env(dict(os.environ), os.sched_getaffinity(0), args.vllm_kv_space_gib)
+    print(f"vLLM (run by {args.vllm_python}) with "
+          + " ".join(f"{k}={v}" for k, v in settings.items())
+          + f", engine options {options} ...", flush=True)
     spec = scratch / "vllm_spec.json"
     spec.write_text(json.dumps({
         "model": folder, "dtype": args.dtype, "output_len": args.output_len,
@@ -221,7 +254,7 @@ def _vllm_runs(folder: str, work: dict[str, dict], args, scratch: Path) -> dict:
         "workloads": work}))
     script = Path(__file__).with_name("vllm_baseline.py")
     done = subprocess.run([args.vllm_python, str(script), str(spec)], stdout=subprocess.PIPE,
-                          text=True)
+                          text=True, env={**os.environ, **settings})
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not results:
         raise RuntimeError(f"the vLLM baseline failed (exit {done.returncode}); its stderr "
