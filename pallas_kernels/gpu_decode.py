@@ -10,14 +10,15 @@ to q's dtype (`gpu_dequant`). Work is bounded by the sequence's own keys: pages 
 never read.
 
 Split-K (flash-decoding): a small batch has too few (sequence, kv head) pairs to fill an
-H100/H200's 132 SMs, so the key range is cut into up to `splits` parts of at least
-MIN_SPLIT_KEYS keys, each its own program writing a float32 partial (max, sum, weighted sum);
-a combine pass (`combine`, plain XLA) merges them. `default_splits` picks the count
-statically from the batch: enough programs for TARGET_PROGRAMS, one (no combine) when the
-batch already fills the card. Attention sinks join the softmax once, where the rows are
-finished (`softmax.normalize`): in the kernel with one split (each program's `[G']` rows'
-sinks as a block), else in `combine`, after the splits are merged: a sink given to every
-split would be counted once per split.
+H100/H200's 132 SMs (batch 1 with 8 kv heads: 8 programs), so the key range is cut into
+`splits` parts (a power of two) of at least MIN_SPLIT_KEYS keys, each its own program writing
+a float32 partial (max, sum, weighted sum). `default_splits` picks the count statically from
+batch x kv heads against TARGET_PROGRAMS: one (no combine) when the batch already fills the
+card. A second Pallas kernel (`_combine_kernel`, one launch) merges the partials, one program
+per (sequence, query head), and writes only the G real rows (no slice of the padded rows
+after it). Attention sinks join the softmax once, where the rows are finished
+(`softmax.normalize`): in the kernel with one split (each program's `[G']` rows' sinks as a
+block), else in the combine: a sink given to every split would be counted once per split.
 
 Launch parameters per page size (`LAUNCH`), the reason being the pipelined K/V tiles of
 `num_stages` pages in shared memory and the registers of a `[page_size, D]` tile:
@@ -43,15 +44,19 @@ from pallas_kernels.reference import MASK_VALUE
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100 / H200
 MAX_SPLITS = 32
-MIN_SPLIT_KEYS = 256  # a split shorter than this costs more in partials than it gains
+# A split reads >= 4 pages of 16 (>= 32 KiB of bf16 K/V per kv head of 128) for its 8 KiB
+# float32 partial: batch 1 at 2,048 keys fills 256 programs (32 splits x 8 kv heads).
+MIN_SPLIT_KEYS = 64
 LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # page_size -> (warps, stages)
 
 
 def default_splits(batch: int, num_kv_heads: int) -> int:
-    """Splits of each sequence's keys: enough programs for TARGET_PROGRAMS, at most
-    MAX_SPLITS. Not tied to the page table's width: a split past a sequence's keys exits at
+    """Splits of each sequence's keys: the smallest power of two that gives batch x kv heads
+    x splits >= TARGET_PROGRAMS, at most MAX_SPLITS (1 when batch x kv heads fills the
+    card alone). Not tied to the page table's width: a split past a sequence's keys exits at
     once, and each split spans at least MIN_SPLIT_KEYS keys of its sequence."""
-    return max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), MAX_SPLITS))
+    wanted = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
+    return min(pl.next_power_of_2(wanted), MAX_SPLITS)
 
 
 def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
@@ -119,15 +124,39 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def combine(acc, m, l, sinks=None):
-    """Merges split partials: acc [..., S, G, D], m and l [..., S, G] -> [..., G, D] float32,
-    with the rows' sinks [..., G] float32 (None: none)."""
-    m_max = m.max(axis=-2)  # [..., G]
-    weight = jnp.exp(m - m_max[..., None, :])  # [..., S, G] (0 for empty splits unless all are)
-    total = (weight * l).sum(axis=-2)  # [..., G]
-    out = (weight[..., None] * acc).sum(axis=-3)  # [..., G, D]
-    return softmax.normalize(out, m_max[..., None], total[..., None],
-                             None if sinks is None else sinks[..., None])
+def _combine_kernel(m_ref, l_ref, acc_ref, *refs, with_sinks):
+    # One query head's row: m_ref, l_ref [S], acc_ref [S, D] float32 (its S partials);
+    # refs: the sinks sink_ref [Hkv, G'] float32 (with sinks only), then o_ref [D].
+    sink_ref, o_ref = refs if with_sinks else (None, refs[0])
+    m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
+    m_max = m.max()
+    weight = jnp.exp(m - m_max)  # [S] (0 for empty splits unless all are)
+    total = (weight * l).sum()
+    out = (weight[:, None] * acc).sum(axis=0)  # [D]
+    sink = sink_ref[pl.program_id(1), pl.program_id(2)] if with_sinks else None
+    o_ref[...] = softmax.normalize(out, m_max, total, sink).astype(o_ref.dtype)
+
+
+def _combine(acc, m, l, sinks, group, dtype, interpret):
+    """Merges split partials acc [B, Hkv, S, G', D], m and l [B, Hkv, S, G'] float32 into
+    [B, Hkv, G, D] of dtype: one program per (sequence, kv head, real row), with the rows'
+    sinks [Hkv, G'] float32 (None: none)."""
+    batch, num_kv_heads, splits, _, head_dim = acc.shape
+    row = lambda b, h, g: (b, h, 0, g)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, with_sinks=sinks is not None),
+        grid=(batch, num_kv_heads, group),
+        in_specs=[pl.BlockSpec((None, None, splits, None), row),
+                  pl.BlockSpec((None, None, splits, None), row),
+                  pl.BlockSpec((None, None, splits, None, head_dim),
+                               lambda b, h, g: (b, h, 0, g, 0))]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * (sinks is not None),
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, h, g: (b, h, g, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="decode_combine_triton",
+    )(m, l, acc, *(() if sinks is None else (sinks,)))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret",
@@ -143,12 +172,15 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     sliding window are already in the range; key_hi <= key_lo: none, zeros out);
     page_indices int32 [B, P], entries past a sequence's pages never read. key_hi must be
     <= P * page_size (the caller clamps). sinks [Hkv * G] float: each query head's attention
-    sink (None: none). splits default: `default_splits`. Returns [B, Hkv, G, D].
+    sink (None: none). splits: a power of two (the combine's block), default
+    `default_splits`. Returns [B, Hkv, G, D].
     """
     batch, num_kv_heads, group, head_dim = q.shape
     page_size = page_size or k_pages.shape[1]
     if splits is None:
         splits = default_splits(batch, num_kv_heads)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two (the combine's block), got {splits}")
     rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, Hkv, G', D]
     num_warps, num_stages = launch_parameters(page_size, head_dim)
@@ -191,5 +223,5 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim, page_size),
       gpu_dequant.as_loaded(v_pages, head_dim, page_size), *scales, *sink_in)
     if splits > 1:
-        out = combine(*out, row_sinks).astype(q.dtype)  # [B, Hkv, G', D]
+        return _combine(*out, row_sinks, group, q.dtype, interpret)  # [B, Hkv, G, D]
     return out[:, :, :group]  # [B, Hkv, G, D]
