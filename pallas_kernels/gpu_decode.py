@@ -59,12 +59,28 @@ def default_splits(batch: int, num_kv_heads: int) -> int:
     return min(pl.next_power_of_2(wanted), MAX_SPLITS)
 
 
+def min_split_pages(page_size: int) -> int:
+    """The fewest pages a split walks (MIN_SPLIT_KEYS keys, at least one page)."""
+    return max(1, MIN_SPLIT_KEYS // page_size)
+
+
 def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
     """(num_warps, num_stages) for a page size and head_dim, from LAUNCH."""
     warps, stages = LAUNCH[page_size]
     if head_dim > 128:
         warps, stages = min(2 * warps, 8), max(1, stages // 2)
     return warps, stages
+
+
+def split_pages(key_lo, key_hi, split, splits, page_size, min_split_pages):
+    """Pages [lo, hi) (int32 scalars) that split `split` of `splits` walks for a query seeing
+    keys [key_lo, key_hi): the range's pages cut into equal runs of at least min_split_pages,
+    the last run shorter, splits past the range empty (lo = hi)."""
+    first = jax.lax.div(key_lo, page_size)
+    last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
+    per_split = jnp.maximum(jax.lax.div(last - first + splits - 1, splits), min_split_pages)
+    lo = jnp.minimum(first + split * per_split, last)
+    return lo, jnp.minimum(lo + per_split, last)
 
 
 def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_size, splits,
@@ -80,11 +96,7 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
     key_lo, key_hi = key_lo_ref[seq], key_hi_ref[seq]
     q = q_ref[...]  # [G', D]
     rows, head_dim = q.shape
-    first = jax.lax.div(key_lo, page_size)
-    last = jnp.where(key_hi > key_lo, jax.lax.div(key_hi + page_size - 1, page_size), first)
-    per_split = jnp.maximum(jax.lax.div(last - first + splits - 1, splits), min_split_pages)
-    lo_page = jnp.minimum(first + split * per_split, last)
-    hi_page = jnp.minimum(lo_page + per_split, last)
+    lo_page, hi_page = split_pages(key_lo, key_hi, split, splits, page_size, min_split_pages)
     offsets = jnp.arange(page_size, dtype=jnp.int32)  # [ps]
 
     def body(slot, carry):
@@ -192,7 +204,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     sink_in = (row_sinks,) if row_sinks is not None and splits == 1 else ()
     kernel = functools.partial(
         _kernel, page_size=page_size, splits=splits,
-        min_split_pages=max(1, MIN_SPLIT_KEYS // page_size) if splits > 1 else 1,
+        min_split_pages=min_split_pages(page_size) if splits > 1 else 1,
         scaled=bool(scales), with_sinks=bool(sink_in), sm_scale=sm_scale, soft_cap=soft_cap,
         precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
