@@ -51,12 +51,13 @@ LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # page_size -> (warp
 
 
 def default_splits(batch: int, num_kv_heads: int) -> int:
-    """Splits of each sequence's keys: the smallest power of two that gives batch x kv heads
-    x splits >= TARGET_PROGRAMS, at most MAX_SPLITS (1 when batch x kv heads fills the
-    card alone). Not tied to the page table's width: a split past a sequence's keys exits at
-    once, and each split spans at least MIN_SPLIT_KEYS keys of its sequence."""
+    """Splits of each sequence's keys: the power of two nearest below what brings batch x kv
+    heads x splits to TARGET_PROGRAMS (so at least half of it), at most MAX_SPLITS; 1 when
+    batch x kv heads fills the card alone. Not tied to the page table's width: a split past
+    a sequence's keys exits at once, and each split spans at least MIN_SPLIT_KEYS keys of
+    its sequence."""
     wanted = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
-    return min(pl.next_power_of_2(wanted), MAX_SPLITS)
+    return min(1 << (wanted.bit_length() - 1), MAX_SPLITS)
 
 
 def min_split_pages(page_size: int) -> int:
