@@ -14,11 +14,12 @@ H100/H200's 132 SMs (batch 1 with 8 kv heads: 8 programs), so the key range is c
 `splits` parts (a power of two) of at least MIN_SPLIT_KEYS keys, each its own program writing
 a float32 partial (max, sum, weighted sum). `default_splits` picks the count statically from
 batch x kv heads against TARGET_PROGRAMS: one (no combine) when the batch already fills the
-card. A second Pallas kernel (`_combine_kernel`, one launch) merges the partials, one program
-per (sequence, query head), and writes only the G real rows (no slice of the padded rows
-after it). Attention sinks join the softmax once, where the rows are finished
-(`softmax.normalize`): in the kernel with one split (each program's `[G']` rows' sinks as a
-block), else in the combine: a sink given to every split would be counted once per split.
+card. A second Pallas kernel (`combine`, one launch) merges the partials, one program per
+(sequence, query head), and writes only the G real rows (no slice of the padded rows after
+it); in interpret mode the same `merge` runs as XLA ops (`combine_in_xla`). Attention sinks
+join the softmax once, where the rows are finished (`softmax.normalize`): in the kernel with
+one split (each program's `[G']` rows' sinks as a block), else in the combine: a sink given
+to every split would be counted once per split.
 
 Launch parameters per page size (`LAUNCH`), the reason being the pipelined K/V tiles of
 `num_stages` pages in shared memory and the registers of a `[page_size, D]` tile:
@@ -137,23 +138,32 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
+def merge(m, l, acc, sink=None):
+    """The softmax of S split partials, merged: m, l [..., S] (running max, sum of weights),
+    acc [..., S, D] (weighted sums), float32; sink [...] float32 (None: none) -> [..., D]
+    float32. Each partial is rescaled from its own max to the largest (a split that saw no
+    key has l 0 and adds nothing unless all are empty: zeros out)."""
+    m_max = m.max(axis=-1)  # [...]
+    weight = jnp.exp(m - m_max[..., None])  # [..., S]
+    total = (weight * l).sum(axis=-1)  # [...]
+    out = (weight[..., None] * acc).sum(axis=-2)  # [..., D]
+    return softmax.normalize(out, m_max[..., None], total[..., None],
+                             None if sink is None else sink[..., None])
+
+
 def _combine_kernel(m_ref, l_ref, acc_ref, *refs, with_sinks):
     # One query head's row: m_ref, l_ref [S], acc_ref [S, D] float32 (its S partials);
     # refs: the sinks sink_ref [Hkv, G'] float32 (with sinks only), then o_ref [D].
     sink_ref, o_ref = refs if with_sinks else (None, refs[0])
-    m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
-    m_max = m.max()
-    weight = jnp.exp(m - m_max)  # [S] (0 for empty splits unless all are)
-    total = (weight * l).sum()
-    out = (weight[:, None] * acc).sum(axis=0)  # [D]
     sink = sink_ref[pl.program_id(1), pl.program_id(2)] if with_sinks else None
-    o_ref[...] = softmax.normalize(out, m_max, total, sink).astype(o_ref.dtype)
+    o_ref[...] = merge(m_ref[...], l_ref[...], acc_ref[...], sink).astype(o_ref.dtype)
 
 
-def _combine(acc, m, l, sinks, group, dtype, interpret):
+def combine(acc, m, l, sinks, group, dtype, interpret=False):
     """Merges split partials acc [B, Hkv, S, G', D], m and l [B, Hkv, S, G'] float32 into
-    [B, Hkv, G, D] of dtype: one program per (sequence, kv head, real row), with the rows'
-    sinks [Hkv, G'] float32 (None: none)."""
+    [B, Hkv, G, D] of dtype, with the rows' sinks [Hkv, G'] float32 (None: none): one
+    Pallas launch, a program per (sequence, kv head, real row), each merging its row's S
+    partials (`merge`)."""
     batch, num_kv_heads, splits, _, head_dim = acc.shape
     row = lambda b, h, g: (b, h, 0, g)  # noqa: E731
     return pl.pallas_call(
@@ -170,6 +180,15 @@ def _combine(acc, m, l, sinks, group, dtype, interpret):
         interpret=interpret,
         name="decode_combine_triton",
     )(m, l, acc, *(() if sinks is None else (sinks,)))
+
+
+def combine_in_xla(acc, m, l, sinks, group, dtype):
+    """`combine` as XLA ops on the whole arrays (the same `merge`), for interpret mode: it
+    runs a grid as a loop of sliced steps, which for the combine's B x Hkv x G programs cost
+    2-3x the whole decode call on CPU and about 0.7 s more compile per program."""
+    rows = lambda x: jnp.swapaxes(x, 2, 3)[:, :, :group]  # noqa: E731  [B, Hkv, G, S, ...]
+    sink = None if sinks is None else sinks[None, :, :group]  # [1, Hkv, G]
+    return merge(rows(m), rows(l), rows(acc), sink).astype(dtype)  # [B, Hkv, G, D]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "splits", "interpret",
@@ -236,5 +255,6 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     )(key_lo, key_hi, page_indices, q, gpu_dequant.as_loaded(k_pages, head_dim, page_size),
       gpu_dequant.as_loaded(v_pages, head_dim, page_size), *scales, *sink_in)
     if splits > 1:
-        return _combine(*out, row_sinks, group, q.dtype, interpret)  # [B, Hkv, G, D]
+        merge_splits = combine_in_xla if interpret else combine
+        return merge_splits(*out, row_sinks, group, q.dtype)  # [B, Hkv, G, D]
     return out[:, :, :group]  # [B, Hkv, G, D]

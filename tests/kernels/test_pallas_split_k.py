@@ -93,3 +93,36 @@ def test_split_decode_of_quantized_pages(make_case, kind):
     want = reference.paged_attention(q, quant.k_float, quant.v_float, kv_lens,
                                      case.page_indices)
     check(out, want, case)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_combine_kernel_equals_one_softmax_over_all_splits(sinks):
+    """The Pallas combine (the device's, here in interpret mode) on partials made in numpy
+    from scores cut into 8 splits of 5 keys, some with no key (max MASK_VALUE, sum 0):
+    the softmax over all the keys at once, with each head's sink in its denominator."""
+    rng = np.random.default_rng(4)
+    batch, hkv, rows, group, splits, keys, d = 2, 2, 16, 4, 8, 5, 64
+    scores = rng.normal(0, 3, (batch, hkv, rows, splits, keys))  # spread maxima per split
+    seen = rng.random((batch, hkv, 1, splits, keys)) < 0.7
+    seen[0, 0, :, 1:] = False  # one row's keys all in its first split
+    seen[1, 1, :, ::2] = False  # every other split empty
+    values = rng.normal(size=(batch, hkv, splits, keys, d))
+    masked = np.where(seen, scores, -np.inf)
+    m = masked.max(axis=-1)  # [B, Hkv, G', S]
+    weights = np.where(seen, np.exp(masked - np.where(np.isfinite(m), m, 0)[..., None]), 0)
+    acc = np.einsum("bhgsk,bhskd->bhsgd", weights, values)  # [B, Hkv, S, G', D]
+    m = np.where(np.isfinite(m), m, reference.MASK_VALUE).swapaxes(2, 3)  # [B, Hkv, S, G']
+    sums = weights.sum(axis=-1).swapaxes(2, 3)  # [B, Hkv, S, G']
+    sink = rng.uniform(-1, 2, (hkv, rows)) if sinks else None  # [Hkv, G']
+    flat = masked.reshape(batch, hkv, rows, -1)  # [B, Hkv, G', S * keys]
+    top = flat.max(axis=-1, keepdims=True)
+    if sink is not None:
+        top = np.maximum(top, sink[None, :, :, None])
+    p = np.exp(flat - top)
+    denominator = p.sum(axis=-1) + (0 if sink is None else np.exp(sink[None] - top[..., 0]))
+    want = np.einsum("bhgn,bhnd->bhgd", p, values.reshape(batch, hkv, -1, d)) / denominator[
+        ..., None]  # [B, Hkv, G', D]
+    got = gpu_decode.combine(*(jnp.asarray(x, jnp.float32) for x in (acc, m, sums)),
+                             None if sink is None else jnp.asarray(sink, jnp.float32), group,
+                             jnp.float32, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want[:, :, :group], rtol=1e-5, atol=1e-5)
