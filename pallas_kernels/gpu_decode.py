@@ -21,8 +21,13 @@ join the softmax once, where the rows are finished (`softmax.normalize`): in the
 one split (each program's `[G']` rows' sinks as a block), else in the combine: a sink given
 to every split would be counted once per split.
 
-Launch parameters per page size (`LAUNCH`), the reason being the pipelined K/V tiles of
-`num_stages` pages in shared memory and the registers of a `[page_size, D]` tile:
+A program walks its keys a step at a time: one page a step unsplit (as tuned for large
+batches), `pages_per_step` pages (KEYS_PER_STEP keys: 4 pages of 16, 2 of 32) a step when
+split, their ids in one load and their rows in one gathered load, so a split's few steps
+each move more bytes per pair of dependent loads (page ids, then rows).
+
+Launch parameters per step's keys (`LAUNCH`), the reason being the pipelined K/V tiles of
+`num_stages` steps in shared memory and the registers of a `[keys, D]` tile:
   page 16: 4 warps, 4 stages  small tiles, deep pipeline to keep enough bytes in flight;
   page 32: 4 warps, 3 stages;
   page 64: 4 warps, 2 stages  (64 x 128 bf16 = 16 KiB per tile, K and V);
@@ -42,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import gpu_dequant, softmax
 from pallas_kernels.reference import MASK_VALUE
 
+KEYS_PER_STEP = 64  # keys a program loads per loop step (several pages of 16 or 32)
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100 / H200
 MAX_SPLITS = 32
@@ -66,9 +72,17 @@ def min_split_pages(page_size: int) -> int:
     return max(1, MIN_SPLIT_KEYS // page_size)
 
 
-def launch_parameters(page_size: int, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for a page size and head_dim, from LAUNCH."""
-    warps, stages = LAUNCH[page_size]
+def pages_per_step(page_size: int) -> int:
+    """Pages a split's program loads at once (KEYS_PER_STEP keys): a split walks only a
+    few pages, so each step's dependent loads (page ids, then rows) should carry more bytes
+    than one page of 16 (an unsplit program, of a large batch, keeps one page a step)."""
+    return max(1, KEYS_PER_STEP // page_size)
+
+
+def launch_parameters(tile_keys: int, head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages) for a step's keys (pages x page size) and head_dim, from
+    LAUNCH."""
+    warps, stages = LAUNCH[tile_keys]
     if head_dim > 128:
         warps, stages = min(2 * warps, 8), max(1, stages // 2)
     return warps, stages
@@ -86,7 +100,7 @@ def split_pages(key_lo, key_hi, split, splits, page_size, min_split_pages):
 
 
 def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_size, splits,
-            min_split_pages, scaled, with_sinks, sm_scale, soft_cap, precision):
+            min_split_pages, per_step, scaled, with_sinks, sm_scale, soft_cap, precision):
     # q_ref [G', D]; k_ref, v_ref [N, page_size, Hkv, D]; pt_ref [B, P]. refs: the scales
     # ks_ref, vs_ref [N, Hkv * S] float32 (int8 pages only), the rows' sinks sink_ref [G']
     # float32 (sinks only, with splits 1), then the outputs: o [G', D] (splits 1), or the
@@ -99,27 +113,35 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
     q = q_ref[...]  # [G', D]
     rows, head_dim = q.shape
     lo_page, hi_page = split_pages(key_lo, key_hi, split, splits, page_size, min_split_pages)
-    offsets = jnp.arange(page_size, dtype=jnp.int32)  # [ps]
+    step_pages = jnp.arange(per_step, dtype=jnp.int32)  # [P]
+    offsets = jnp.arange(per_step * page_size, dtype=jnp.int32)  # [P * ps]
+    stride = ks_ref.shape[1] // k_ref.shape[2] if scaled else 0  # S: a head's scale run
 
-    def body(slot, carry):
+    def gather(ref, pages, cols):  # the pages' rows of this head: [P * ps, ...]
+        tile = ref[pages, cols] if cols is not None else ref[pages, :, head, :]
+        return tile.reshape(per_step * page_size, *tile.shape[2:])
+
+    def body(step, carry):
         m, l, acc = carry  # [G'], [G'], [G', D]
-        page = pt_ref[seq, slot]  # one id per page
-        stride = ks_ref.shape[1] // k_ref.shape[2] if scaled else 0  # S: a head's run
+        first = lo_page + step * per_step
+        live = first + step_pages < hi_page  # [P]
+        # the step's page ids, one load; ids past the split's run are not read (page 0)
+        pages = plgpu.load(pt_ref.at[seq, pl.ds(first, per_step)], mask=live, other=0)  # [P]
         scale_cols = pl.ds(head * stride, page_size)  # the head's run in the page's row
-        k_scale = ks_ref[page, scale_cols] if scaled else None  # [ps]
-        v_scale = vs_ref[page, scale_cols] if scaled else None  # [ps]
-        k = gpu_dequant.dequantize(k_ref[page, :, head, :], k_scale, q.dtype)  # [ps, D]
-        v = gpu_dequant.dequantize(v_ref[page, :, head, :], v_scale, q.dtype)  # [ps, D]
-        key_pos = slot * page_size + offsets  # [ps]
-        seen = (key_pos >= key_lo) & (key_pos < key_hi)  # [ps]
+        k_scale = gather(ks_ref, pages, scale_cols) if scaled else None  # [P * ps]
+        v_scale = gather(vs_ref, pages, scale_cols) if scaled else None  # [P * ps]
+        k = gpu_dequant.dequantize(gather(k_ref, pages, None), k_scale, q.dtype)  # [P*ps, D]
+        v = gpu_dequant.dequantize(gather(v_ref, pages, None), v_scale, q.dtype)  # [P*ps, D]
+        key_pos = first * page_size + offsets  # [P * ps]
+        seen = (key_pos >= key_lo) & (key_pos < jnp.minimum(key_hi, hi_page * page_size))
         v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # rows past kv_len may hold anything
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32) * sm_scale  # [G', ps]
+                                preferred_element_type=jnp.float32) * sm_scale  # [G', P*ps]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(seen[None, :], s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))  # [G']
-        p = jnp.where(seen[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [G', ps]
+        p = jnp.where(seen[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [G', P*ps]
         alpha = jnp.exp(m - m_new)  # [G']
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision,
@@ -128,7 +150,8 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(lo_page, hi_page, body, init)
+    steps = jax.lax.div(hi_page - lo_page + per_step - 1, per_step)
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
     if splits == 1:
         (o_ref,) = out_refs
         sink = None if sink_ref is None else sink_ref[...][:, None]  # [G', 1]
@@ -215,7 +238,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
         raise ValueError(f"splits must be a power of two (the combine's block), got {splits}")
     rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, Hkv, G', D]
-    num_warps, num_stages = launch_parameters(page_size, head_dim)
+    per_step = pages_per_step(page_size) if splits > 1 else 1  # unsplit: as tuned before
+    num_warps, num_stages = launch_parameters(per_step * page_size, head_dim)
     precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     scales = () if k_scales is None else (k_scales, v_scales)
@@ -225,6 +249,7 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     kernel = functools.partial(
         _kernel, page_size=page_size, splits=splits,
         min_split_pages=min_split_pages(page_size) if splits > 1 else 1,
+        per_step=per_step,
         scaled=bool(scales), with_sinks=bool(sink_in), sm_scale=sm_scale, soft_cap=soft_cap,
         precision=precision)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
