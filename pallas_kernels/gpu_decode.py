@@ -117,16 +117,21 @@ def _kernel(key_lo_ref, key_hi_ref, pt_ref, q_ref, k_ref, v_ref, *refs, page_siz
     offsets = jnp.arange(per_step * page_size, dtype=jnp.int32)  # [P * ps]
     stride = ks_ref.shape[1] // k_ref.shape[2] if scaled else 0  # S: a head's scale run
 
+    def page_ids(first):
+        if per_step == 1:  # one page a step: its id as a scalar (a plain load, no gather)
+            return pt_ref[seq, first]
+        live = first + step_pages < hi_page  # [P]
+        # one load; ids past the split's run are not read (page 0 instead, its keys masked)
+        return plgpu.load(pt_ref.at[seq, pl.ds(first, per_step)], mask=live, other=0)  # [P]
+
     def gather(ref, pages, cols):  # the pages' rows of this head: [P * ps, ...]
         tile = ref[pages, cols] if cols is not None else ref[pages, :, head, :]
-        return tile.reshape(per_step * page_size, *tile.shape[2:])
+        return tile if per_step == 1 else tile.reshape(per_step * page_size, *tile.shape[2:])
 
     def body(step, carry):
         m, l, acc = carry  # [G'], [G'], [G', D]
         first = lo_page + step * per_step
-        live = first + step_pages < hi_page  # [P]
-        # the step's page ids, one load; ids past the split's run are not read (page 0)
-        pages = plgpu.load(pt_ref.at[seq, pl.ds(first, per_step)], mask=live, other=0)  # [P]
+        pages = page_ids(first)  # [P], or a scalar
         scale_cols = pl.ds(head * stride, page_size)  # the head's run in the page's row
         k_scale = gather(ks_ref, pages, scale_cols) if scaled else None  # [P * ps]
         v_scale = gather(vs_ref, pages, scale_cols) if scaled else None  # [P * ps]
