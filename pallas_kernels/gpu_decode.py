@@ -2,9 +2,9 @@
 
 Grid (sequence, kv head, split). A program takes the G query heads of its kv head as one
 `[G', D]` block (G padded to the 16 rows `tl.dot` needs, not to 16 tokens) and walks the
-pages of its part of the sequence's key range one page at a time: one page-id load per
-page, then the page's `[page_size, D]` K and V rows of its head (int8 pages: also the
-page's `[page_size]` scales of the head; fp8 pages: their bytes), dequantized in registers
+pages of its part of the sequence's key range a step of pages at a time (below): the
+steps' page ids, then the pages' K and V rows of its head (int8 pages: also the pages'
+scales of the head; fp8 pages: their bytes), dequantized in registers
 to q's dtype (`gpu_dequant`). Work is bounded by the sequence's own keys: pages outside
 `[key_lo, key_hi)` are never visited, so page-table entries past a sequence's pages are
 never read.
@@ -28,10 +28,10 @@ each move more bytes per pair of dependent loads (page ids, then rows).
 
 Launch parameters per step's keys (`LAUNCH`), the reason being the pipelined K/V tiles of
 `num_stages` steps in shared memory and the registers of a `[keys, D]` tile:
-  page 16: 4 warps, 4 stages  small tiles, deep pipeline to keep enough bytes in flight;
-  page 32: 4 warps, 3 stages;
-  page 64: 4 warps, 2 stages  (64 x 128 bf16 = 16 KiB per tile, K and V);
-  page 128: 8 warps, 2 stages  more threads for the larger tile.
+  16 keys: 4 warps, 4 stages  small tiles, deep pipeline to keep enough bytes in flight;
+  32 keys: 4 warps, 3 stages;
+  64 keys: 4 warps, 2 stages  (64 x 128 bf16 = 16 KiB per tile, K and V);
+  128 keys: 8 warps, 2 stages  more threads for the larger tile.
 head_dim 256 halves the stages (at least 1) to keep the tiles within shared memory and
 doubles the warps (a [64, 256] float32 tile spilled registers with 4, measured with ptxas).
 float32 inputs are multiplied at full precision (`Precision.HIGHEST`: IEEE, not TF32).
@@ -54,7 +54,7 @@ MAX_SPLITS = 32
 # A split reads >= 4 pages of 16 (>= 32 KiB of bf16 K/V per kv head of 128) for its 8 KiB
 # float32 partial: batch 1 at 2,048 keys fills 256 programs (32 splits x 8 kv heads).
 MIN_SPLIT_KEYS = 64
-LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # page_size -> (warps, stages)
+LAUNCH = {16: (4, 4), 32: (4, 3), 64: (4, 2), 128: (8, 2)}  # step's keys -> (warps, stages)
 
 
 def default_splits(batch: int, num_kv_heads: int) -> int:
