@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import pallas_kernels as pk
 from jaxserve.engine.cache_audit import PagePools, pool_instructions
 from pallas_kernels import kv_quant
+from jaxserve.aot import gpu_kernels
 from jaxserve.aot.targets import Target, compile_only_devices
 from sweeps import sweep
 
@@ -123,6 +124,21 @@ def test_decode_compiles_at_engine_shapes_without_copying_the_cache(target, hq, 
     cache_bytes = 2 * num_pages * 16 * hkv * d * 2
     assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 16
     assert pool_copies(compiled, [pages]) == 0  # no relayout
+
+
+@pytest.mark.parametrize("batch,decode_grid,combine_grid", [
+    (1, [1, 8, 32], [1, 8, 4]), (64, [64, 8, 1], None)])
+def test_decode_launches_at_llama_8b_heads(batch, decode_grid, combine_grid):
+    """An H100 compile of one decode call (32 query heads over 8 kv heads of 128, pages of
+    16): batch 1 runs 32 splits per kv head (256 programs for 132 SMs) and one combine
+    kernel over the 4 query heads of each kv head, 4 launches in all (the key ranges, q's
+    pad, the two kernels; the former combine in XLA fusions made 6); batch 64 fills the card
+    unsplit, with no combine."""
+    launches = gpu_kernels.decode_launches("h100", batch, 32, 8, 128, 16, 32768)
+    grids = {k["name"]: k["grid"] for k in launches}
+    assert grids["decode_attention_triton"] == decode_grid
+    assert grids.get("decode_combine_triton") == combine_grid
+    assert len(launches) == 4
 
 
 # Rows under 128 lanes on TPU (one kv head of 64 per device; 3 heads of 64): stored one token a

@@ -14,7 +14,10 @@ def test_quick_device_check_writes_results(tmp_path):
     assert all(row["ok"] for row in data["correctness"])
     kernels = {row["kernel"] for row in data["correctness"]}
     assert kernels == {"decode", "ragged"}
-    assert len(data["decode"]) == 2
+    assert len(data["decode"]) == 3
+    goal = data["decode"][0]  # the target row first, against its goal
+    assert goal["batch"] == 1 and goal["goal_us"] == 10.0
+    assert goal["meets_goal"] == (goal["jaxserve"]["us"] <= 10.0)
     for row in data["decode"]:
         assert row["jaxserve"]["us"] > 0 and "error" not in row
         assert row["kv_bytes"] == 2 * row["batch"] * row["context"] * row["kv_heads"] * 128 * 2
