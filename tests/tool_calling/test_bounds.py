@@ -57,6 +57,7 @@ UNBOUNDED = [  # (a property's schema with no bounds, arguments at the bound, on
     ({"type": "object"}, keys(16), keys(17)),
     ({"type": "object"}, {"k" * 64: 1}, {"k" * 65: 1}),
     ({}, [1, "x", None], [[1]]),  # any value: flat, not nested
+    ({"type": "array"}, [[1], {"k": None}], [[[1]]]),  # items of any value
     ({"type": "object", "properties": {"a": {"type": "integer"}}}, {"a": 1}, {"a": 1, "b": 2}),
 ]
 
