@@ -4,6 +4,8 @@
 - `tool_choice`: checks a request's `tools` and `tool_choice`; "required" and named choices
   become a JSON-schema constraint for the structured-output engine, so their arguments always
   parse, whatever the model (`ConstrainedCalls` reads them back as they stream).
+- `bounds`: bounds what those schemas leave open (string lengths, digits, items, extra keys),
+  so that a forced reply ends even from a model that cannot call tools.
 - `tool_parsers`: `tool_choice: "auto"` finds calls in the model's own format (vLLM's
   `--tool-call-parser` names: hermes, llama3_json, mistral, qwen3_coder).
 - `reasoning`: `--reasoning-parser` (deepseek_r1, qwen3) splits `<think>` text off.

@@ -3,15 +3,19 @@
 - `"none"`: the tools reach the chat template, the reply is plain content.
 - `"auto"` (the default when tools are given): the reply is parsed by the server's
   `--tool-call-parser` (`tool_parsers`); a server without one answers 400, as vLLM does.
-- `"required"`: the reply is constrained by a JSON schema to a list of one or more calls,
+- `"required"`: the reply is constrained by a JSON schema to a list of calls,
   `[{"name": ..., "parameters": {...}}, ...]` (vLLM's shape), each call's parameters by its
-  function's schema; with `parallel_tool_calls: false`, exactly one.
+  function's schema: exactly one call, or one or more with `parallel_tool_calls: true`.
 - `{"type": "function", "function": {"name": ...}}`: the reply is constrained to that
   function's arguments, a JSON object of its parameters' schema.
 
 The constrained choices hold whatever the model: the structured-output engine only lets it
-write text the schema accepts. `ConstrainedCalls` reads that text as it streams: each call's
-name when it is whole, then its arguments in pieces as the tokens arrive.
+write text the schema accepts. They also end whatever the model: `bounds.bounded` caps what
+each schema leaves open (string lengths, digits, items, extra keys), and one call is the
+default, since a model that cannot call tools never closes the list on its own (OpenAI's and
+vLLM's default is `parallel_tool_calls: true`; docs/tool-calling.md gives the reasons).
+`ConstrainedCalls` reads that text as it streams: each call's name when it is whole, then its
+arguments in pieces as the tokens arrive.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.tool_calling.bounds import bounded
 from jaxserve.tool_calling.events import ArgumentsPiece, CallStart, Content, Event
 from jaxserve.tool_calling.text_parser import TextParser
 
@@ -37,17 +42,18 @@ class ToolChoice:
     tools: list[dict]  # OpenAI's {"type": "function", "function": {...}}, parameters filled
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the function of a named choice
-    parallel: bool = True
+    parallel: bool = False  # several calls: only when parallel_tool_calls is true
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The JSON schema a required or named choice puts on the reply."""
+        """The JSON schema a required or named choice puts on the reply, each function's
+        parameters bounded (`bounds.bounded`) so that the reply ends."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self.parameters(self.name))
+            return StructuredOutputsParams(json=bounded(self.parameters(self.name)))
         if self.mode != "required":
             return None
         calls = [{"type": "object",
                   "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": t["function"]["parameters"]},
+                                 "parameters": bounded(t["function"]["parameters"])},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for t in self.tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
@@ -81,13 +87,13 @@ def check_tool_choice(tools: list[Any] | None, tool_choice: Any,
         if not checked:
             raise InvalidRequestError("tool_choice", f"tool_choice {tool_choice!r} needs "
                                       "tools")
-        return ToolChoice(checked, tool_choice, parallel=parallel_tool_calls is not False)
+        return ToolChoice(checked, tool_choice, parallel=parallel_tool_calls is True)
     name = _named_function(tool_choice)
     names = [t["function"]["name"] for t in checked]
     if name not in names:
         raise InvalidRequestError("tool_choice.function.name", f"tool_choice names function "
                                   f"{name!r}, which is not in tools ({', '.join(names) or 'none'})")
-    return ToolChoice(checked, "named", name, parallel=parallel_tool_calls is not False)
+    return ToolChoice(checked, "named", name, parallel=parallel_tool_calls is True)
 
 
 def _named_function(choice: Any) -> str:

@@ -37,6 +37,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "send_letter", "parameters": LETTER}}]
 MESSAGES = [{"role": "user", "content": "What is the weather in Bath?"}]
+MAX_TOKENS = 380  # all the shipped model's 512 positions leave past the prompt
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -105,11 +106,11 @@ def whole(response) -> dict:
                       for c in message.tool_calls or ()]}
 
 
-@pytest.mark.parametrize("parallel", [False, None])
+@pytest.mark.parametrize("parallel", [False, None, True])
 def test_required_choice_gives_valid_calls_streamed_or_not(client, parallel):
-    """One call (parallel_tool_calls false), or as many as the model lists: the shipped
-    model, greedy, lists calls until max_tokens cuts the last one (finish_reason "length",
-    as OpenAI reports a cut reply); every whole call is valid."""
+    """One call (parallel_tool_calls false or omitted), or as many as the model lists when
+    true: the shipped model, greedy, lists calls until max_tokens cuts the last one
+    (finish_reason "length", as OpenAI reports a cut reply); every whole call is valid."""
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
     kwargs = dict(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                   max_tokens=100, temperature=0, **extra)
@@ -117,7 +118,7 @@ def test_required_choice_gives_valid_calls_streamed_or_not(client, parallel):
     stream = list(client.chat.completions.create(stream=True, **kwargs))
     assert reassembled(stream) == whole(response)
     choice = response.choices[0]
-    if parallel is False:
+    if not parallel:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     else:
         assert choice.finish_reason == "length" and len(choice.message.tool_calls) > 1
@@ -134,6 +135,37 @@ def test_named_choice_calls_that_function(client):
     message = response.choices[0].message
     assert_valid_calls(message, {"send_letter"})
     assert len(message.tool_calls) == 1 and message.content is None
+
+
+# No bounds at all: the grammar's own (`jaxserve.tool_calling.bounds`) must end the reply.
+PLAIN = {"type": "object",
+         "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                        "temperature": {"type": "number"}, "metric": {"type": "boolean"},
+                        "hours": {"type": "array", "items": {"type": "integer"}},
+                        "extra": {}},
+         "required": ["city", "days"]}
+PLAIN_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": PLAIN}},
+               {"type": "function", "function": {"name": "note", "parameters": {
+                   "type": "object", "properties": {"text": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "forecast"])
+def test_forced_calls_on_a_plain_schema_end_valid(client, tool_choice):
+    """The shipped model cannot call tools: on a schema with no bounds (its strings, numbers,
+    list and untyped value run on until max_tokens unbounded), the bounds the grammar adds
+    must still end the reply, for every seed, with one call valid under the client's
+    schema."""
+    choice = tool_choice if tool_choice == "required" else {
+        "type": "function", "function": {"name": tool_choice}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in PLAIN_TOOLS}
+    for seed in range(6):
+        response = client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=PLAIN_TOOLS, tool_choice=choice,
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+        reply = response.choices[0]
+        assert reply.finish_reason == "tool_calls", (seed, reply)
+        (call,) = reply.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 HERMES = ('I will look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bath", '
@@ -166,7 +198,8 @@ def test_history_with_calls_and_tool_results_is_accepted(client):
              "function": {"name": "get_weather", "arguments": '{"city": "Bath", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "grey"}'}]
     response = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS,
-                                              tool_choice="none", max_tokens=8)
+                                              tool_choice="none", max_tokens=8,
+                                              temperature=0)  # unseeded, it may stop early
     message = response.choices[0].message
     assert message.tool_calls is None and response.choices[0].finish_reason == "length"
 
