@@ -63,6 +63,7 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, memory_problem
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.donation_guard import check_donated, check_placement
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
@@ -581,11 +582,17 @@ class Runner:
 
     def first_runs(self) -> None:
         """Run every compiled program once on an all-padding batch (it writes only the
-        padding page 0), so a request never pays a program's first-run costs, and a program
-        read from the store that cannot run (a bad entry) is dropped and compiled again."""
+        padding page 0), so a request never pays a program's first-run costs, weights or a
+        cache placed otherwise than a program expects stop start-up, and a program read from
+        the store that cannot run or does not update the cache in place (a bad entry) is
+        dropped and compiled again (`donation_guard`)."""
+        for kind, tokens, rows in self._compiled:  # caches placed as every program expects
+            check_placement(f"{kind} ({tokens} tokens, {rows} rows)",
+                            self._compiled[kind, tokens, rows],
+                            [self._state_leaves, self.caches], {0: "weights", 1: "caches"})
         for bucket in list(self._compiled):
             try:
-                self._run_padding(*bucket)
+                self._first_run(*bucket)
             except Exception as err:  # noqa: BLE001 - only a stored program is retried
                 if bucket not in self._from_store:
                     raise
@@ -599,7 +606,12 @@ class Runner:
                 self.warmed_up = False  # not a compile after warm-up
                 self.program(*bucket)
                 self.warmed_up = True
-                self._run_padding(*bucket)
+                self._first_run(*bucket)
+
+    def _first_run(self, kind: str, tokens: int, rows: int) -> None:
+        """`_run_padding`, checking that it updated the cache in place (`donation_guard`)."""
+        check_donated(f"{kind} ({tokens} tokens, {rows} rows)",
+                      lambda: self._run_padding(kind, tokens, rows), "caches", self.caches)
 
     def _run_padding(self, kind: str, tokens: int, rows: int) -> None:
         """One run of a program on zero inputs: no sequences, every token on page 0."""

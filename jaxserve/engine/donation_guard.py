@@ -1,0 +1,83 @@
+"""Start-up checks, on the device itself, that a compiled program updates the KV cache in place.
+
+The compile-only plan reads donation from `memory_analysis()` (`cache_audit`): the cache's
+input is aliased to its output. That holds for the executable, not for the call: if the
+arrays handed to it are placed otherwise than it expects (another sharding, another layout),
+JAX may copy them before the call, and the copy is what gets donated, so every step holds a
+second cache (the first lent H100 ran out of memory this way, one page pool short). So before
+the first run of each program the engine checks the arguments' placement
+(`check_placement`), and around that run that the cache really went (`check_donated`).
+Either failing stops start-up, naming the program and the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+def _leaves_with_names(name: str, tree) -> list[tuple[str, object]]:
+    """(`name` plus the leaf's path, leaf) for every leaf of `tree`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(name + jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def check_placement(program: str, compiled: jax.stages.Compiled, args: Sequence,
+                    checked: dict[int, str]) -> None:
+    """Raise `RuntimeError` naming `program` and the argument when a device array in
+    `args[i]` (for each `i` of `checked`, named `checked[i]`) has a sharding or a layout other
+    than `compiled`'s input sharding and format for it. Host arrays and abstract values
+    (placed by the call itself) are not checked."""
+    formats = compiled.input_formats[0]  # per positional argument, a pytree like it
+    for index, name in checked.items():
+        wanted = jax.tree.leaves(formats[index])
+        given = _leaves_with_names(name, args[index])
+        if len(wanted) != len(given):
+            raise RuntimeError(f"the {program} program takes {len(wanted)} arrays as "
+                               f"{name}, and {len(given)} were allocated")
+        for (path, array), expected in zip(given, wanted):
+            if not isinstance(array, jax.Array):
+                continue
+            if not array.sharding.is_equivalent_to(expected.sharding, array.ndim):
+                raise RuntimeError(
+                    f"{path} is placed as {array.sharding}, and the {program} program "
+                    f"expects {expected.sharding}: JAX would copy it at every call")
+            layout = array.format.layout
+            if expected.layout is not None and layout != expected.layout:
+                raise RuntimeError(
+                    f"{path} has the layout {layout}, and the {program} program expects "
+                    f"{expected.layout}: JAX would copy it at every call")
+
+
+def _live_bytes(signatures: set[tuple[tuple[int, ...], str]]) -> int:
+    """Bytes of the process's live device arrays of the given (shape, dtype)s."""
+    return sum(a.nbytes for a in jax.live_arrays()
+               if (a.shape, str(a.dtype)) in signatures)
+
+
+def check_donated(program: str, run: Callable[[], object], name: str, donated) -> None:
+    """`run()` (one call of `program` with `donated`, a pytree of device arrays given as its
+    argument `name`, and everything it returns waited on), then raise `RuntimeError` naming
+    `program` and the array when a donated array is still alive afterwards, or when the live
+    arrays shaped like them grew by one of them or more (a copy kept beside the cache)."""
+    leaves = _leaves_with_names(name, donated)
+    arrays = [leaf for _, leaf in leaves]
+    signatures = {(a.shape, str(a.dtype)) for a in arrays}
+    before = _live_bytes(signatures)
+    run()
+    kept = [path for path, array in leaves if not array.is_deleted()]
+    if kept:
+        device = next(iter(arrays[0].devices()))
+        raise RuntimeError(
+            f"the {program} program did not update {name} in place on {device.device_kind} "
+            f"(jax {jax.__version__}): {len(kept)} of its {len(leaves)} donated arrays "
+            f"survived its first run, e.g. {kept[0]}; every step would allocate a second "
+            "cache")
+    grown = _live_bytes(signatures) - before
+    smallest = min(a.nbytes for a in arrays)
+    if grown >= smallest:
+        raise RuntimeError(
+            f"after the first run of the {program} program, {grown} more bytes of arrays "
+            f"shaped like {name} are alive (one of them is {smallest} bytes): it keeps a copy "
+            "of the cache")
