@@ -13,10 +13,13 @@ weights, the largest program's temporaries and a margin are taken out:
   before it in the same process);
 - `weights`: this engine's weights (and LoRA slots) on one device;
 - `temporaries`: the largest, over every bucket program, of its temporaries plus the
-  outputs not aliased to its inputs (`memory_analysis()`). A program that updates the cache
-  in place (donated) needs temporaries that do not grow with the pool, so they are read
-  from the programs compiled for a small provisional pool (`compiled_temporaries`) before
-  the real one is allocated and its programs compiled;
+  outputs not aliased to its inputs (`memory_analysis()`), read from the programs compiled
+  for a small provisional pool (`compiled_temporaries`) before the real one is allocated
+  and its programs compiled. A program that updates the cache in place (donated) needs
+  temporaries that do not grow with the pool: on XLA:CPU they are the same bytes; XLA:GPU
+  may schedule a loop differently beside a large pool, a few MiB more (docs/plans.md),
+  which the margin absorbs, and `Runner.check_device_memory` checks the real programs
+  against the device before their first run;
 - `margin`: `MARGIN_FRACTION` of `bytes_limit`, for the step's inputs and the allocator's
   fragmentation.
 

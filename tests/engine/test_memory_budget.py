@@ -58,8 +58,8 @@ def model(folder):
 
 
 def test_a_donated_programs_temporaries_do_not_grow_with_the_pool(model):
-    """Each program's temporaries and unaliased outputs, compiled for a 9-page and a
-    900-page pool (the page pool is 8 KiB a page here: 7 MiB apart), are the same bytes."""
+    """Each program's temporaries and unaliased outputs, compiled by XLA:CPU for a 9-page
+    and a 900-page pool (8 KiB a page here: 7 MiB apart), are the same bytes."""
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     config = EngineConfig(**SMALL_ENGINE)
     needs = []
