@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 import sharding
 
 from jaxserve.attention import PagedBatch, make_backend
-from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, memory_problem
+from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.donation_guard import check_donated, check_placement
@@ -521,24 +521,11 @@ class Runner:
 
     def check_device_memory(self) -> None:
         """Fail at start-up, naming the programs and why, when a compiled program would run
-        out of device memory at its first run (`cache_audit.memory_problem`) rather than at
-        some request's. Only where the allocator reports its limit (TPU, GPU; not CPU)."""
+        out of device memory at its first run rather than at some request's
+        (`cache_audit.check_programs_fit`; only where the allocator reports its limit)."""
         device = next(d for d in self.mesh.devices.flat if d.process_index ==
                       jax.process_index())
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        cache_bytes = self._cache_bytes_per_device()
-        problems = {bucket: memory_problem(compiled, cache_bytes, free)
-                    for bucket, compiled in sorted(self._compiled.items())}
-        failing = {bucket: problem for bucket, problem in problems.items() if problem}
-        if failing:
-            (kind, tokens, rows), problem = next(iter(failing.items()))
-            raise RuntimeError(
-                f"{len(failing)} of {len(problems)} compiled programs cannot run on "
-                f"{device.device_kind} (jax {jax.__version__}); e.g. the {kind} program of "
-                f"{tokens} tokens and {rows} rows {problem}")
+        check_programs_fit(self._compiled, self._cache_bytes_per_device(), device)
 
     @property
     def programs_from_store(self) -> int:
