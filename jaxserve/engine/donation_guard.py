@@ -5,9 +5,10 @@ input is aliased to its output. That holds for the executable, not for the call:
 arrays handed to it are placed otherwise than it expects (another sharding, another layout),
 JAX may copy them before the call, and the copy is what gets donated, so every step holds a
 second cache (the first lent H100 ran out of memory this way, one page pool short). So before
-the first run of each program the engine checks the arguments' placement
-(`check_placement`), and around that run that the cache really went (`check_donated`).
-Either failing stops start-up, naming the program and the argument.
+the first runs the engine moves the cache into the layout the programs take (`with_layouts`)
+and checks every argument's placement (`check_placement`), and around each program's first
+run that the cache really went (`check_donated`). A failed check stops start-up, naming the
+program and the argument.
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def check_placement(program: str, compiled: jax.stages.Compiled, args: Sequence,
                 raise RuntimeError(
                     f"{path} has the layout {layout}, and the {program} program expects "
                     f"{expected.layout}: JAX would copy it at every call")
+
+
+def with_layouts(compiled: jax.stages.Compiled, index: int, tree):
+    """`tree`, `compiled`'s argument `index` (device arrays), with every array whose layout
+    differs from the program's input format moved into that format (the old array donated).
+    XLA may choose a parameter's layout itself (XLA:TPU did for a mixture of experts'
+    weights 96 columns wide a device, docs/plans.md): an array allocated in the default
+    layout would then be refused, or copied before every call."""
+    formats = jax.tree.leaves(compiled.input_formats[0][index])
+    leaves, treedef = jax.tree.flatten(tree)
+    placed = [jax.device_put(array, wanted, donate=True)
+              if wanted.layout is not None and array.format.layout != wanted.layout else array
+              for array, wanted in zip(leaves, formats)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 def _live_bytes(signatures: set[tuple[tuple[int, ...], str]]) -> int:

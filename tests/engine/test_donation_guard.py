@@ -10,7 +10,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxserve import LLM
-from jaxserve.engine.donation_guard import check_donated, check_placement
+from jaxserve.engine.donation_guard import check_donated, check_placement, with_layouts
 from tiny_models import SMALL_ENGINE
 
 SHAPE = (64, 16, 32)  # a page pool [N, page_size, Hkv * D]
@@ -96,3 +96,26 @@ def test_the_runner_refuses_a_cache_placed_off_its_mesh(folder):
                                            r"Sharding.* the (step|decode) \(\d+ tokens, "
                                            r"\d+ rows\) program"):
         runner.first_runs()
+
+
+@pytest.mark.quick
+def test_a_pool_is_moved_into_a_layout_the_program_chose():
+    """A program taking its pool in a layout of its own (as XLA:TPU chose for expert weights
+    96 columns wide): the default-layout pool is refused as it is, and moved into that
+    layout by `with_layouts` (the old one donated), after which it runs and is donated."""
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    chosen = Format(Layout(major_to_minor=(2, 1, 0)), sharding)
+    jitted = jax.jit(lambda pool: pool.at[0, 0, 0].set(1.0), donate_argnums=0,
+                     in_shardings=chosen, out_shardings=chosen)
+    compiled = jitted.lower(jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)
+                            ).compile()
+    pool = jax.device_put(np.zeros(SHAPE, np.float32), sharding)
+    with pytest.raises(RuntimeError, match=r"pool\[0\] has the layout"):
+        check_placement("step", compiled, [[pool]], {0: "pool"})
+    [moved] = with_layouts(compiled, 0, [pool])
+    assert pool.is_deleted() and moved.format.layout.major_to_minor == (2, 1, 0)
+    check_placement("step", compiled, [[moved]], {0: "pool"})
+    out = []
+    check_donated("step", lambda: out.append(jax.block_until_ready(compiled(moved))), "pool",
+                  [moved])
+    assert float(out[0][0, 0, 0]) == 1.0
