@@ -242,6 +242,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
             + window_pool_bytes(stored, engine, cache_dtype, window, tp, target.platform))
         result["reason"] = budget.problem(needed)
         if result["reason"]:
+            result["reason"] += _moe_hint(model_config, engine)
             return result
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
@@ -249,7 +250,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                                      budget and budget.kv_cache_bytes)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
-                           f"per device{_in_use_note(first_in_use)}: {err}"
+                           f"per device{_in_use_note(first_in_use)}: {err}" \
+                           + _moe_hint(model_config, engine)
         return result
     kv_bytes = (num_pages * full_page_bytes(stored, engine, cache_dtype, tp, target.platform,
                                             draft and draft.config, window)
@@ -278,6 +280,8 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     result["programs"] = [dataclasses.asdict(r) for r in reports]
     result["max_temp_bytes_per_device"] = max((r.temp_bytes for r in reports), default=0)
     result["reason"] = _failure(reports, weights + kv_bytes, hbm, most_in_use)
+    if result["reason"]:
+        result["reason"] += _moe_hint(model_config, engine)
     result["fits"] = result["reason"] is None
     return result
 
@@ -334,6 +338,22 @@ def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool
         return None
     _, config = draft_config(spec, target_config, config_only=True)
     return abstract_sharded_model(config, dtype, mesh, scan)
+
+
+def _moe_hint(model_config, engine: EngineConfig) -> str:
+    """What a failing plan adds for a mixture of experts split column-wise over several
+    devices: each device then holds a slice of every expert, and XLA:TPU relays out the
+    stacked expert weights whole when that slice is not a multiple of 128 lanes (Qwen3-30B-A3B
+    on v6e-8: 768 / 8 = 96 columns, two 3 GiB copies of the gate and up stacks per device,
+    docs/models.md); expert parallelism keeps whole experts on each device."""
+    moe = model_config.moe
+    tp = engine.tensor_parallel_size
+    if moe is None or tp == 1 or engine.enable_expert_parallel:
+        return ""
+    return (f"; each device holds a {moe.intermediate_size // tp}-column slice of every expert "
+            f"({moe.intermediate_size} / {tp}), which XLA may copy whole into another "
+            "layout: expert parallelism keeps whole experts per device "
+            "(--enable-expert-parallel; the v6e-8-moe preset does)")
 
 
 def _in_use_note(in_use: int) -> str:

@@ -377,3 +377,25 @@ def test_gpu_memory_utilization_sizes_the_pool_after_compiling(tiny, tmp_path):
     assert (f"KV cache sized after compiling: {limit / GIB:.2f} GiB x gpu_memory_utilization "
             "0.5 - ") in text
     assert f"-> {pool // page} pages" in text
+
+
+def test_a_failing_plan_of_experts_split_column_wise_suggests_expert_parallelism(tmp_path):
+    """A Qwen3-MoE over 4 TPU chips without expert parallelism whose plan does not fit (a
+    pool of 10 million pages, more than a chip holds): the reason says each chip holds a
+    128-column slice of every expert (512 / 4) and names expert parallelism; with it, the
+    same plan's reason does not."""
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
+        "devices = 1", "devices = 4"))
+    argv = ("--config", preset, "--model", tmp_path / "moe", "--tensor-parallel-size", 4,
+            "--num-pages", 10**7, "--buckets", "largest")
+    code, plan = run_plan(*argv)
+    assert code == 1 and plan["fits"] is False
+    assert ("each device holds a 128-column slice of every expert (512 / 4)"
+            in plan["reason"]) and "--enable-expert-parallel" in plan["reason"]
+    code, plan = run_plan(*argv, "--enable-expert-parallel")
+    assert code == 1 and plan["reason"] and "expert" not in plan["reason"]
