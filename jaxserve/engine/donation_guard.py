@@ -29,7 +29,8 @@ def check_placement(program: str, compiled: jax.stages.Compiled, args: Sequence,
     """Raise `RuntimeError` naming `program` and the argument when a device array in
     `args[i]` (for each `i` of `checked`, named `checked[i]`) has a sharding or a layout other
     than `compiled`'s input sharding and format for it. Host arrays and abstract values
-    (placed by the call itself) are not checked."""
+    (placed by the call itself) and arrays the program does not read (no sharding: XLA
+    dropped the parameter) are not checked."""
     formats = compiled.input_formats[0]  # per positional argument, a pytree like it
     for index, name in checked.items():
         wanted = jax.tree.leaves(formats[index])
@@ -38,8 +39,8 @@ def check_placement(program: str, compiled: jax.stages.Compiled, args: Sequence,
             raise RuntimeError(f"the {program} program takes {len(wanted)} arrays as "
                                f"{name}, and {len(given)} were allocated")
         for (path, array), expected in zip(given, wanted):
-            if not isinstance(array, jax.Array):
-                continue
+            if not isinstance(array, jax.Array) or expected.sharding is None:
+                continue  # placed by the call, or not used by the program
             if not array.sharding.is_equivalent_to(expected.sharding, array.ndim):
                 raise RuntimeError(
                     f"{path} is placed as {array.sharding}, and the {program} program "
@@ -71,23 +72,33 @@ def _live_bytes(signatures: set[tuple[tuple[int, ...], str]]) -> int:
                if (a.shape, str(a.dtype)) in signatures)
 
 
-def check_donated(program: str, run: Callable[[], object], name: str, donated) -> None:
+def read_arrays(compiled: jax.stages.Compiled, index: int) -> list[bool]:
+    """Per leaf of `compiled`'s argument `index`, whether the program reads it (XLA drops a
+    parameter it does not read, and JAX then leaves a donated array of it alive)."""
+    return [f.sharding is not None for f in jax.tree.leaves(compiled.input_formats[0][index])]
+
+
+def check_donated(program: str, run: Callable[[], object], name: str, donated,
+                  read: Sequence[bool] | None = None) -> None:
     """`run()` (one call of `program` with `donated`, a pytree of device arrays given as its
     argument `name`, and everything it returns waited on), then raise `RuntimeError` naming
-    `program` and the array when a donated array is still alive afterwards, or when the live
-    arrays shaped like them grew by one of them or more (a copy kept beside the cache)."""
+    `program` and the array when a donated array it reads (`read`, per leaf; default all)
+    is still alive afterwards, or when the live arrays shaped like them grew by one of them
+    or more (a copy kept beside the cache)."""
     leaves = _leaves_with_names(name, donated)
+    if read is not None:
+        leaves = [leaf for leaf, used in zip(leaves, read) if used]
     arrays = [leaf for _, leaf in leaves]
     signatures = {(a.shape, str(a.dtype)) for a in arrays}
     before = _live_bytes(signatures)
     run()
     kept = [path for path, array in leaves if not array.is_deleted()]
     if kept:
-        device = next(iter(arrays[0].devices()))
+        device = next(iter(arrays[0].sharding.device_set))
         raise RuntimeError(
             f"the {program} program did not update {name} in place on {device.device_kind} "
             f"(jax {jax.__version__}): {len(kept)} of its {len(leaves)} donated arrays "
-            f"survived its first run, e.g. {kept[0]}; every step would allocate a second "
+            f"survived its first run, e.g. {kept}; every step would allocate a second "
             "cache")
     grown = _live_bytes(signatures) - before
     smallest = min(a.nbytes for a in arrays)

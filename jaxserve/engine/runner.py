@@ -63,7 +63,8 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.donation_guard import check_donated, check_placement, with_layouts
+from jaxserve.engine.donation_guard import (check_donated, check_placement, read_arrays,
+                                            with_layouts)
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
@@ -604,7 +605,8 @@ class Runner:
     def _first_run(self, kind: str, tokens: int, rows: int) -> None:
         """`_run_padding`, checking that it updated the cache in place (`donation_guard`)."""
         check_donated(f"{kind} ({tokens} tokens, {rows} rows)",
-                      lambda: self._run_padding(kind, tokens, rows), "caches", self.caches)
+                      lambda: self._run_padding(kind, tokens, rows), "caches", self.caches,
+                      read_arrays(self.program(kind, tokens, rows), 1))
 
     def _run_padding(self, kind: str, tokens: int, rows: int) -> None:
         """One run of a program on zero inputs: no sequences, every token on page 0."""
