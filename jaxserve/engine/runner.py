@@ -63,8 +63,7 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.donation_guard import (check_donated, check_placement, read_arrays,
-                                            with_layouts)
+from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
@@ -574,11 +573,7 @@ class Runner:
         cache placed otherwise than a program expects stop start-up, and a program read from
         the store that cannot run or does not update the cache in place (a bad entry) is
         dropped and compiled again (`donation_guard`)."""
-        self.caches = self._in_program_layouts(self.caches)
-        for kind, tokens, rows in self._compiled:  # caches placed as every program expects
-            check_placement(f"{kind} ({tokens} tokens, {rows} rows)",
-                            self._compiled[kind, tokens, rows],
-                            [self._state_leaves, self.caches], {0: "weights", 1: "caches"})
+        self.caches = placed_for(self._compiled, self._state_leaves, self.caches)
         for bucket in list(self._compiled):
             try:
                 self._first_run(*bucket)
@@ -596,11 +591,6 @@ class Runner:
                 self.program(*bucket)
                 self.warmed_up = True
                 self._first_run(*bucket)
-
-    def _in_program_layouts(self, caches):
-        """`caches` in the layouts the compiled programs take (`with_layouts`)."""
-        first = next(iter(self._compiled.values()), None)
-        return caches if first is None else with_layouts(first, 1, caches)
 
     def _first_run(self, kind: str, tokens: int, rows: int) -> None:
         """`_run_padding`, checking that it updated the cache in place (`donation_guard`)."""
@@ -630,7 +620,7 @@ class Runner:
 
     def reset_caches(self) -> None:
         """A fresh, zeroed KV cache and last-token buffer (every cached token is lost)."""
-        self.caches = self._in_program_layouts(self._allocate_caches())
+        self.caches = placed_for(self._compiled, self._state_leaves, self._allocate_caches())
         self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
 
     def release(self) -> None:
