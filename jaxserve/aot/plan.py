@@ -5,9 +5,11 @@ The engine is built from the same parts as `serve`'s: the preset's options check
 the model (`engine_config_for`), the mesh over the target's devices, the parameters placed by
 the partition rules (`abstract_sharded_model`: shapes and shardings from `config.json` alone,
 no weight files), the KV cache sized as the engine sizes it (`pages_for_memory`: a fraction of
-what the weights leave of the device's memory), and the `Runner`, whose `program_inputs` are
-what warm-up compiles. Each chosen program is traced, lowered for the target's platform and
-compiled by XLA:TPU / XLA:GPU (Mosaic and Triton compile the Pallas kernels on the way).
+what the weights leave of the device's memory; with `gpu_memory_utilization`, after compiling
+the programs for a provisional pool, `jaxserve.engine.memory_budget`), and the `Runner`, whose
+`program_inputs` are what warm-up compiles. Each chosen program is traced, lowered for the
+target's platform and compiled by XLA:TPU / XLA:GPU (Mosaic and Triton compile the Pallas
+kernels on the way).
 
 What is checked, per device, from each compiled executable's `memory_analysis()`:
 - the KV cache guard (`jaxserve.engine.cache_audit`, the same as on CPU): `cache_donated`,
@@ -50,6 +52,7 @@ from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
+from jaxserve.engine.memory_budget import MemoryBudget
 from jaxserve.engine.window_pages import WindowLayout, window_layout
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
@@ -72,6 +75,7 @@ class ProgramReport:
     compiled: bool = False
     compile_seconds: float = 0.0
     temp_bytes: int = 0
+    output_bytes: int = 0  # outputs not aliased to a donated input
     peak_bytes: int = 0
     cache_donated: bool = False
     cache_copies: int = 0  # copy instructions of a whole page pool (relayouts)
@@ -122,6 +126,7 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
     memory = compiled.memory_analysis()
     report.compiled = True
     report.temp_bytes = int(memory.temp_size_in_bytes)
+    report.output_bytes = int(memory.output_size_in_bytes - memory.alias_size_in_bytes)
     report.peak_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes
                             + memory.generated_code_size_in_bytes)
@@ -225,12 +230,28 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     first_in_use = taken.get(indices[0], 0)  # what the engine sizes its cache from
     most_in_use = max(taken.get(i, 0) for i in indices)  # what the checks hold it to
     window = window_layout(stored, engine)
+    budget = None
+    if engine.gpu_memory_utilization is not None and engine.num_pages is None:
+        budget = _memory_budget(model, engine, replica_mesh, target, draft, window, buckets,
+                                weights, first_in_use, progress)
+        result["memory_budget"] = {**dataclasses.asdict(budget),
+                                   "kv_cache_bytes": budget.kv_cache_bytes,
+                                   "arithmetic": budget.arithmetic()}
+        needed = ((1 + engine.pages_per_seq) * full_page_bytes(
+            stored, engine, cache_dtype, tp, target.platform, draft and draft.config, window)
+            + window_pool_bytes(stored, engine, cache_dtype, window, tp, target.platform))
+        result["reason"] = budget.problem(needed)
+        if result["reason"]:
+            result["reason"] += _moe_hint(model_config, engine)
+            return result
     try:
         num_pages = pages_for_memory(stored, engine, cache_dtype, hbm, first_in_use + weights,
-                                     tp, target.platform, draft and draft.config, window)
+                                     tp, target.platform, draft and draft.config, window,
+                                     budget and budget.kv_cache_bytes)
     except ValueError as err:
         result["reason"] = f"weights take {weights / GIB:.2f} GiB of {hbm / GIB:.2f} GiB " \
-                           f"per device{_in_use_note(first_in_use)}: {err}"
+                           f"per device{_in_use_note(first_in_use)}: {err}" \
+                           + _moe_hint(model_config, engine)
         return result
     kv_bytes = (num_pages * full_page_bytes(stored, engine, cache_dtype, tp, target.platform,
                                             draft and draft.config, window)
@@ -259,8 +280,30 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
     result["programs"] = [dataclasses.asdict(r) for r in reports]
     result["max_temp_bytes_per_device"] = max((r.temp_bytes for r in reports), default=0)
     result["reason"] = _failure(reports, weights + kv_bytes, hbm, most_in_use)
+    if result["reason"]:
+        result["reason"] += _moe_hint(model_config, engine)
     result["fits"] = result["reason"] is None
     return result
+
+
+def _memory_budget(model, engine: EngineConfig, mesh, target: Target, draft,
+                   window: WindowLayout | None, buckets: str, weights: int, in_use: int,
+                   progress: bool) -> MemoryBudget:
+    """The `MemoryBudget` the engine computes with `gpu_memory_utilization`: the chosen
+    programs compiled for a provisional pool of one sequence (their temporaries do not grow
+    with the pool), the device's memory as `Target.hbm_bytes`."""
+    probe = Runner(model, engine, 1 + engine.pages_per_seq, mesh, target.platform,
+                   draft=draft, window=window)
+    needs = {}
+    for kind, tokens, seqs in tqdm(chosen_programs(probe, buckets), unit="program",
+                                   desc="Compiling for the memory budget", disable=not progress):
+        jitted, args = probe.program_inputs(kind, tokens, seqs)
+        report = compile_program(jitted, args, kind, tokens, seqs, 0, target.lowering_platform)
+        if report.compiled:  # a program that fails fails again below, with its error
+            needs[f"{kind} ({tokens} tokens, {seqs} rows)"] = (report.temp_bytes
+                                                               + report.output_bytes)
+    return MemoryBudget.of(target.hbm_bytes(), engine.gpu_memory_utilization, weights,
+                           in_use, needs)
 
 
 def hybrid_memory_report(model, engine: EngineConfig, dtype, hbm: int, in_use: int, tp: int,
@@ -295,6 +338,22 @@ def _abstract_draft(engine: EngineConfig, target_config, dtype, mesh, scan: bool
         return None
     _, config = draft_config(spec, target_config, config_only=True)
     return abstract_sharded_model(config, dtype, mesh, scan)
+
+
+def _moe_hint(model_config, engine: EngineConfig) -> str:
+    """What a failing plan adds for a mixture of experts split column-wise over several
+    devices: each device then holds a slice of every expert, and XLA:TPU relays out the
+    stacked expert weights whole when that slice is not a multiple of 128 lanes (Qwen3-30B-A3B
+    on v6e-8: 768 / 8 = 96 columns, two 3 GiB copies of the gate and up stacks per device,
+    docs/models.md); expert parallelism keeps whole experts on each device."""
+    moe = model_config.moe
+    tp = engine.tensor_parallel_size
+    if moe is None or tp == 1 or engine.enable_expert_parallel:
+        return ""
+    return (f"; each device holds a {moe.intermediate_size // tp}-column slice of every expert "
+            f"({moe.intermediate_size} / {tp}), which XLA may copy whole into another "
+            "layout: expert parallelism keeps whole experts per device "
+            "(--enable-expert-parallel; the v6e-8-moe preset does)")
 
 
 def _in_use_note(in_use: int) -> str:

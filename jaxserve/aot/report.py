@@ -21,6 +21,15 @@ def _hybrid_lines(plan: dict[str, Any]) -> list[str]:
             f"{plan['max_seqs_at_max_model_len_without_hybrid']} without it"]
 
 
+def _budget_lines(plan: dict[str, Any]) -> list[str]:
+    """How `gpu_memory_utilization` sized the KV cache after compiling, if it did."""
+    budget = plan.get("memory_budget")
+    if not budget:
+        return []
+    return [f"  KV cache sized after compiling: {budget['arithmetic']} -> "
+            f"{plan['num_pages']} pages"]
+
+
 def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
     """Header lines (target, memory per device, verdict), then one line per program."""
     lines = [
@@ -34,6 +43,7 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
         f"{plan['num_pages']} pages, "
         f"{plan['max_concurrent_tokens']} tokens), largest temporaries "
         f"{_gib(plan['max_temp_bytes_per_device'])}",
+        *_budget_lines(plan),
         *_hybrid_lines(plan),
         f"  programs: {plan['warm_up_programs']} compiled per replica at warm-up, "
         f"{len(plan['programs'])} of them here",

@@ -164,8 +164,29 @@ def memory_problem(compiled: jax.stages.Compiled, cache_bytes: int, free_bytes: 
     if needed > free_bytes:
         return (f"needs {_gib(needed)} for its outputs and temporaries, and "
                 f"{_gib(free_bytes)} are free beside the weights and the KV cache (lower "
-                "kv_cache_memory_fraction)")
+                "kv_cache_memory_fraction or gpu_memory_utilization)")
     return None
+
+
+def check_programs_fit(programs: dict[tuple[str, int, int], jax.stages.Compiled],
+                       cache_bytes: int, device: jax.Device) -> None:
+    """Raise `RuntimeError`, naming the programs (by bucket) and why, when one of
+    `programs` would exhaust `device` at its first run (`memory_problem`), the weights and
+    the KV cache (`cache_bytes` on one device) being placed already. Only where the
+    allocator reports its limit (TPU, GPU; not CPU)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    problems = {bucket: memory_problem(compiled, cache_bytes, free)
+                for bucket, compiled in sorted(programs.items())}
+    failing = {bucket: problem for bucket, problem in problems.items() if problem}
+    if failing:
+        (kind, tokens, rows), problem = next(iter(failing.items()))
+        raise RuntimeError(
+            f"{len(failing)} of {len(problems)} compiled programs cannot run on "
+            f"{device.device_kind} (jax {jax.__version__}); e.g. the {kind} program of "
+            f"{tokens} tokens and {rows} rows {problem}")
 
 
 def _gib(count: int) -> str:

@@ -42,7 +42,8 @@ class EngineConfig:
     `token_buckets` and `seq_buckets` are the ladders every step is padded to (tokens per
     step, sequences per step); each compiled program has one (tokens, seqs) pair from them.
     Empty ladders are derived as powers of two up to `max_num_batched_tokens` and
-    `max_num_seqs`. `num_pages` wins over `kv_cache_memory_fraction` when both are given.
+    `max_num_seqs`. `num_pages` wins over `gpu_memory_utilization`, which wins over
+    `kv_cache_memory_fraction` (`jaxserve.engine.memory_budget`).
     `scan_layers` None picks the scan on TPU/GPU and the loop on CPU, where XLA copies each
     layer's weights out of the stack and a step runs ~2x slower. The executable cache is
     `jaxserve.engine.executable_store`; quantization, `jaxserve.model.quantization` (checked
@@ -57,6 +58,10 @@ class EngineConfig:
                                     "kv_cache_memory_fraction)")
     kv_cache_memory_fraction: float = _option(0.5, "kv_cache", "share of free device memory "
                                               "the KV cache takes")
+    gpu_memory_utilization: float | None = _option(
+        None, "kv_cache", "share of the device's memory this engine may use; the KV cache "
+        "gets what the weights and the largest program's temporaries leave of it, sized "
+        "after compiling (default: kv_cache_memory_fraction)")
     max_num_seqs: int = _option(64, "batching", "most sequences in one step")
     max_num_batched_tokens: int = _option(512, "batching", "most tokens in one step")
     num_decode_steps: int = _option(8, "batching", "decode steps per device loop for "
@@ -151,6 +156,10 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], got "
                              f"{self.kv_cache_memory_fraction!r}")
+        if self.gpu_memory_utilization is not None and not (
+                0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         if self.max_num_batched_tokens < self.page_size:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f"at least one page ({self.page_size} tokens)")

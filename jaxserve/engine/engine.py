@@ -47,6 +47,7 @@ from jaxserve.engine.batcher import StepInput, build_step_input
 from jaxserve.model.config import ModelConfig
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_cache import choose_num_pages
+from jaxserve.engine.memory_budget import pages_after_compiling
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.metrics import EngineMetrics, EngineStats, StepRecord
 from jaxserve.model import LlamaModel
@@ -161,11 +162,13 @@ class Engine:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: Tokenizer | None,
                  eos_token_ids: Iterable[int], progress: bool = True, load_seconds: float = 0.0,
-                 draft: LlamaModel | None = None):
+                 draft: LlamaModel | None = None, device_bytes_limit: int | None = None):
         """`load_seconds`: how long reading `model`'s weights took (start-up's "load" phase
         begins there; placing and stacking them here counts too). `draft`: the draft model
         of `speculative_config` method "draft_model" (`jaxserve.speculative.draft`), or
-        the head of "eagle3" (`jaxserve.speculative.eagle3`)."""
+        the head of "eagle3" (`jaxserve.speculative.eagle3`). `device_bytes_limit`: the
+        device memory `gpu_memory_utilization` is a share of (default: the allocator's
+        `bytes_limit`; CPUs have none, so tests on CPU give one)."""
         started = time.perf_counter()
         self.config = config
         self.tokenizer = tokenizer
@@ -194,10 +197,20 @@ class Engine:
                                       model.compute_dtype) if config.enable_lora else 0
         # hybrid KV memory: the window layers' own pool (`window_pages`)
         self.window = window_layout(model.config, config)
-        self.num_pages = multihost.agree(choose_num_pages(
-            model.config, config, dtype, local[0], config.tensor_parallel_size,
-            None if draft is None else draft.config, reserved_bytes=lora_bytes,
-            window=self.window))
+        # with gpu_memory_utilization: the pool sized after compiling (`memory_budget`)
+        self.memory_budget = None
+        sized = pages_after_compiling(model, config, dtype, self.mesh, local[0],
+                                      device_bytes_limit, draft, self.window, lora_bytes,
+                                      self.executable_store)
+        if sized is not None:
+            pages, self.memory_budget = sized
+            log.info("KV cache: %s: %d pages", self.memory_budget.arithmetic(), pages)
+        else:
+            pages = choose_num_pages(model.config, config, dtype, local[0],
+                                     config.tensor_parallel_size,
+                                     None if draft is None else draft.config,
+                                     reserved_bytes=lora_bytes, window=self.window)
+        self.num_pages = multihost.agree(pages)
         self.replicas: list[Replica] = []
         for sub_mesh in sharding.replica_meshes(self.mesh):
             allocator = PageAllocator(self.num_pages, config.page_size,

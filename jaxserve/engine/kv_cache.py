@@ -95,20 +95,25 @@ def window_pool_bytes(model: ModelConfig, engine: EngineConfig, dtype,
 def pages_for_memory(model: ModelConfig, engine: EngineConfig, dtype, bytes_limit: int | None,
                      bytes_in_use: int, tensor_parallel_size: int = 1,
                      platform: str | None = None, draft: ModelConfig | None = None,
-                     window: WindowLayout | None = None) -> int:
+                     window: WindowLayout | None = None,
+                     available_bytes: int | None = None) -> int:
     """The page count `choose_num_pages` picks for a device that can allocate `bytes_limit`
     bytes of which `bytes_in_use` are taken (the weights); `None`: a CPU, which reports no
     limit. `jaxserve plan` calls this with the numbers of a device that is not attached.
     With a `window` pool, the pages are the other layers' (and the draft's): the window
     pool's bytes come out of the budget first. Should no layer need full-context pages, the
-    pool's ids cost nothing and there are enough for every sequence at full length."""
+    pool's ids cost nothing and there are enough for every sequence at full length.
+    `available_bytes`: the cache's bytes when already decided (`memory_budget`, with
+    `gpu_memory_utilization`), instead of `kv_cache_memory_fraction` of the free bytes."""
     if engine.num_pages is not None:
         return engine.num_pages
     one_page = full_page_bytes(model, engine, dtype, tensor_parallel_size, platform, draft,
                                window)
     window_bytes = window_pool_bytes(model, engine, dtype, window, tensor_parallel_size,
                                      platform)
-    if bytes_limit is not None:
+    if available_bytes is not None:
+        available = available_bytes
+    elif bytes_limit is not None:
         available = int((bytes_limit - bytes_in_use) * engine.kv_cache_memory_fraction)
     else:
         available = CPU_KV_CACHE_BYTES

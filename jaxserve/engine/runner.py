@@ -60,9 +60,10 @@ from tqdm.auto import tqdm
 import sharding
 
 from jaxserve.attention import PagedBatch, make_backend
-from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, memory_problem
+from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
@@ -520,24 +521,11 @@ class Runner:
 
     def check_device_memory(self) -> None:
         """Fail at start-up, naming the programs and why, when a compiled program would run
-        out of device memory at its first run (`cache_audit.memory_problem`) rather than at
-        some request's. Only where the allocator reports its limit (TPU, GPU; not CPU)."""
+        out of device memory at its first run rather than at some request's
+        (`cache_audit.check_programs_fit`; only where the allocator reports its limit)."""
         device = next(d for d in self.mesh.devices.flat if d.process_index ==
                       jax.process_index())
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        cache_bytes = self._cache_bytes_per_device()
-        problems = {bucket: memory_problem(compiled, cache_bytes, free)
-                    for bucket, compiled in sorted(self._compiled.items())}
-        failing = {bucket: problem for bucket, problem in problems.items() if problem}
-        if failing:
-            (kind, tokens, rows), problem = next(iter(failing.items()))
-            raise RuntimeError(
-                f"{len(failing)} of {len(problems)} compiled programs cannot run on "
-                f"{device.device_kind} (jax {jax.__version__}); e.g. the {kind} program of "
-                f"{tokens} tokens and {rows} rows {problem}")
+        check_programs_fit(self._compiled, self._cache_bytes_per_device(), device)
 
     @property
     def programs_from_store(self) -> int:
@@ -581,11 +569,14 @@ class Runner:
 
     def first_runs(self) -> None:
         """Run every compiled program once on an all-padding batch (it writes only the
-        padding page 0), so a request never pays a program's first-run costs, and a program
-        read from the store that cannot run (a bad entry) is dropped and compiled again."""
+        padding page 0), so a request never pays a program's first-run costs, weights or a
+        cache placed otherwise than a program expects stop start-up, and a program read from
+        the store that cannot run or does not update the cache in place (a bad entry) is
+        dropped and compiled again (`donation_guard`)."""
+        self.caches = placed_for(self._compiled, self._state_leaves, self.caches)
         for bucket in list(self._compiled):
             try:
-                self._run_padding(*bucket)
+                self._first_run(*bucket)
             except Exception as err:  # noqa: BLE001 - only a stored program is retried
                 if bucket not in self._from_store:
                     raise
@@ -599,7 +590,13 @@ class Runner:
                 self.warmed_up = False  # not a compile after warm-up
                 self.program(*bucket)
                 self.warmed_up = True
-                self._run_padding(*bucket)
+                self._first_run(*bucket)
+
+    def _first_run(self, kind: str, tokens: int, rows: int) -> None:
+        """`_run_padding`, checking that it updated the cache in place (`donation_guard`)."""
+        check_donated(f"{kind} ({tokens} tokens, {rows} rows)",
+                      lambda: self._run_padding(kind, tokens, rows), "caches", self.caches,
+                      read_arrays(self.program(kind, tokens, rows), 1))
 
     def _run_padding(self, kind: str, tokens: int, rows: int) -> None:
         """One run of a program on zero inputs: no sequences, every token on page 0."""
@@ -623,7 +620,7 @@ class Runner:
 
     def reset_caches(self) -> None:
         """A fresh, zeroed KV cache and last-token buffer (every cached token is lost)."""
-        self.caches = self._allocate_caches()
+        self.caches = placed_for(self._compiled, self._state_leaves, self._allocate_caches())
         self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
 
     def release(self) -> None:

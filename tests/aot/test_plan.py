@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 from jaxserve.aot.plan import compile_program
+from jaxserve.aot.report import format_plan
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.aot.targets import TPU_KINDS, Target, compile_only_devices
 from jaxserve.cli.main import main
@@ -348,3 +349,55 @@ def test_a_plan_reads_int8_scale_pools_in_place(tmp_path):
                           "--num-pages", 4000)
     assert [p["cache_copies"] for p in plan["programs"]] == [0, 0]
     assert code == 0, plan["reason"]
+
+
+def test_gpu_memory_utilization_sizes_the_pool_after_compiling(tiny, tmp_path):
+    """An H100's 0.75 x 80 GiB allocator limit, half of it to this engine: the pool is that
+    less the weights (computed from the shapes), the largest program's temporaries and
+    unaliased outputs (measured on programs compiled for a one-sequence pool), and 2% of the
+    limit. The programs compiled for the real pool need no more than that plus the margin:
+    XLA:GPU gives the 8-row decode loop a few MiB more temporaries beside a large pool (see
+    docs/plans.md), which the margin absorbs."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="gpu", accelerator="h100").replace(
+        "kv_cache_memory_fraction = 0.5", "gpu_memory_utilization = 0.5"))
+    code, plan = run_plan("--config", preset, "--model", tiny, "--buckets", "largest")
+    assert code == 0, plan["reason"]
+    spec = (REPO / "jaxserve/aot/gpu_targets/h100.txtpb").read_text()
+    limit = int(int(spec.split("device_memory_size:")[1].split()[0]) * 0.75)
+    budget = plan["memory_budget"]
+    margin = int(0.02 * limit)
+    page = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 128 * 2
+    pool = limit // 2 - tiny_weight_bytes() - budget["temp_bytes"] - margin
+    assert budget["kv_cache_bytes"] == pool and budget["margin_bytes"] == margin
+    assert plan["num_pages"] == pool // page
+    needs = {(p["name"], p["tokens"], p["seqs"]): p["temp_bytes"] + p["output_bytes"]
+             for p in plan["programs"]}
+    assert budget["temp_bytes"] >= needs["step", 64, 8] > 0  # the step's are the same
+    assert max(needs.values()) <= budget["temp_bytes"] + margin
+    text = format_plan(plan)
+    assert (f"KV cache sized after compiling: {limit / GIB:.2f} GiB x gpu_memory_utilization "
+            "0.5 - ") in text
+    assert f"-> {pool // page} pages" in text
+
+
+def test_a_failing_plan_of_experts_split_column_wise_suggests_expert_parallelism(tmp_path):
+    """A Qwen3-MoE over 4 TPU chips without expert parallelism whose plan does not fit (a
+    pool of 10 million pages, more than a chip holds): the reason says each chip holds a
+    128-column slice of every expert (512 / 4) and names expert parallelism; with it, the
+    same plan's reason does not."""
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
+        "devices = 1", "devices = 4"))
+    argv = ("--config", preset, "--model", tmp_path / "moe", "--tensor-parallel-size", 4,
+            "--num-pages", 10**7, "--buckets", "largest")
+    code, plan = run_plan(*argv)
+    assert code == 1 and plan["fits"] is False
+    assert ("each device holds a 128-column slice of every expert (512 / 4)"
+            in plan["reason"]) and "--enable-expert-parallel" in plan["reason"]
+    code, plan = run_plan(*argv, "--enable-expert-parallel")
+    assert code == 1 and plan["reason"] and "expert" not in plan["reason"]

@@ -136,6 +136,7 @@ def test_abort_frees_pages_wherever_the_request_is():
     ("max_num_batched_tokens", dict(max_num_batched_tokens=32, max_num_seqs=64)),
     ("num_pages", dict(num_pages=3)),
     ("kv_cache_memory_fraction", dict(kv_cache_memory_fraction=1.5)),
+    ("gpu_memory_utilization", dict(gpu_memory_utilization=0.0)),
     ("token_buckets", dict(token_buckets=(16, 32))),
     ("attention_backend", dict(attention_backend="cuda")),
     ("num_decode_steps", dict(num_decode_steps=0)),
