@@ -28,7 +28,9 @@ layer's K/V as its window, not the whole row.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import statistics
 import time
 from typing import Any, Callable
@@ -249,6 +251,36 @@ def run_batch(engine, batch: int, work: Workload, rng, loras: list | None = None
                if engine.config.speculative_config is not None else {})}
 
 
+@contextlib.contextmanager
+def memory_rows(variant: str, add: Callable[[dict], None]):
+    """While building an engine, each memory figure its runner logs
+    (`jaxserve.engine.memory_figures`: before and after the first runs) becomes a row, the
+    largest program's temporaries named."""
+
+    class Rows(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            figures = getattr(record, "memory_figures", None)
+            if figures is None:
+                return
+            row = {"variant": variant, "memory_at": figures["moment"],
+                   **{k: v for k, v in figures.items() if k != "moment"}}
+            temps = figures.get("program_temp_bytes")
+            if temps:
+                row["largest_temp_program"], row["largest_temp_bytes"] = max(
+                    temps.items(), key=lambda item: item[1])
+            add(row)
+
+    logger, handler = logging.getLogger("jaxserve.engine.memory_figures"), Rows()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def measure_variant(variant: str, add: Callable[[dict], None], copy_gbps: float | None,
                     quick: bool, deadline: float, progress: bool) -> None:
     """One variant at each of its batch sizes; each row handed to `add` as it is measured.
@@ -273,7 +305,8 @@ def measure_variant(variant: str, add: Callable[[dict], None], copy_gbps: float 
                **(QUICK_LADDER if quick else {}), **overrides}
     try:
         started = time.perf_counter()
-        engine, used, weight_bytes = build_engine(config, options, progress)
+        with memory_rows(variant, add):  # written before the first runs: they may fail
+            engine, used, weight_bytes = build_engine(config, options, progress)
         build_s = time.perf_counter() - started
         run_batch(engine, 1, dataclasses.replace(work, new_tokens=2), rng)  # first runs
     except Exception as err:  # noqa: BLE001 - recorded, the run goes on

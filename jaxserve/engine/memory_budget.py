@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.executable_store import ExecutableStore
+from jaxserve.engine.memory_figures import program_temporaries
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.window_pages import WindowLayout
@@ -115,16 +116,6 @@ def bytes_per_device(arrays) -> int:
     """Bytes one device holds of `arrays` (arrays or `ShapeDtypeStruct`s with shardings)."""
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                for a in jax.tree.leaves(arrays))
-
-
-def program_temporaries(compiled: jax.stages.Compiled) -> int:
-    """Bytes a run of `compiled` needs beyond its arguments: its temporaries and the outputs
-    not aliased to a donated input (0 where the backend does not say)."""
-    memory = compiled.memory_analysis()
-    if memory is None:
-        return 0
-    return int(memory.temp_size_in_bytes + memory.output_size_in_bytes
-               - memory.alias_size_in_bytes)
 
 
 def abstract_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:

@@ -65,6 +65,7 @@ from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInp
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
+from jaxserve.engine.memory_figures import log_figures
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
@@ -523,9 +524,12 @@ class Runner:
         """Fail at start-up, naming the programs and why, when a compiled program would run
         out of device memory at its first run rather than at some request's
         (`cache_audit.check_programs_fit`; only where the allocator reports its limit)."""
-        device = next(d for d in self.mesh.devices.flat if d.process_index ==
-                      jax.process_index())
-        check_programs_fit(self._compiled, self._cache_bytes_per_device(), device)
+        check_programs_fit(self._compiled, self._cache_bytes_per_device(),
+                           self._local_device())
+
+    def _local_device(self) -> jax.Device:
+        """The mesh's first device of this process (the one memory is reported for)."""
+        return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
 
     @property
     def programs_from_store(self) -> int:
@@ -560,12 +564,17 @@ class Runner:
         self.warmed_up = True
         self.warm_up_seconds = time.perf_counter() - started
         if not isinstance(self.last_tokens, jax.ShapeDtypeStruct):  # abstract: compile only
+            device = self._local_device()
+            log_figures("before the first runs", device, self._state_leaves, self.caches,
+                        {f"{kind} ({tokens} tokens, {rows} rows)": compiled for
+                         (kind, tokens, rows), compiled in sorted(self._compiled.items())})
             self.check_device_memory()
             started = time.perf_counter()
             if self._num_lora_leaves:
                 self.load_lora(0, None)  # compiles the slot write (slots start as zeros)
             self.first_runs()
             self.first_runs_seconds = time.perf_counter() - started
+            log_figures("after the first runs", device, self._state_leaves, self.caches)
 
     def first_runs(self) -> None:
         """Run every compiled program once on an all-padding batch (it writes only the

@@ -34,7 +34,18 @@ def test_quick_run_writes_every_section(tmp_path):
     assert checks and all(row["ok"] for row in checks), checks
     assert timings and all(row["gbps"] > 0 for row in timings), timings
 
-    serving = data["serving"]
+    # each variant's memory, logged by its runner before and after its first runs
+    memory = [row for row in data["serving"] if "memory_at" in row]
+    serving = [row for row in data["serving"] if "memory_at" not in row]
+    assert {(row["variant"], row["memory_at"]) for row in memory} == {
+        (variant, moment) for variant in ("bf16_short", "bf16", "int8_fp8kv", "ngram_spec",
+                                          "moe_int8", "lora", "window_int8")
+        for moment in ("before the first runs", "after the first runs")}
+    for row in memory:
+        assert row["weights_bytes"] > 0 and row["kv_cache_bytes"] > 0
+        assert row["live_bytes"] >= row["weights_bytes"] + row["kv_cache_bytes"], row
+        if row["memory_at"] == "before the first runs":
+            assert row["largest_temp_bytes"] == max(row["program_temp_bytes"].values()) > 0
     assert {(row["variant"], row["batch"], row.get("adapters")) for row in serving} == {
         (variant, batch, None) for variant in ("bf16_short", "bf16", "int8_fp8kv", "ngram_spec",
                                                "moe_int8", "window_int8")
