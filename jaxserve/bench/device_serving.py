@@ -71,6 +71,10 @@ VARIANTS = {FIRST_VARIANT: {}, "bf16": {},
             "ngram_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 4,
                                                   "prompt_lookup_min": 2}}}
+# Of the device memory the stage's process holds (on GPU, `XLA_PYTHON_CLIENT_MEM_FRACTION`
+# of the card): the share its engine sizes its KV pool from after compiling
+# (`jaxserve.engine.memory_budget`; no effect on CPU, which reports no limit).
+GPU_MEMORY_UTILIZATION = 0.95
 SPEC_BATCHES = 2  # the speculative and MoE variants run the first two batch sizes only
 VARIANTS["moe_int8"] = {"model": MOE_SHAPE, "quantization": "int8"}
 LORA_SLOTS, LORA_RANK = 4, 16
@@ -300,8 +304,10 @@ def measure_variant(variant: str, add: Callable[[dict], None], copy_gbps: float 
         work = dataclasses.replace(work, prompt_len=WINDOW_PROMPT_LEN)
     elif quick:
         overrides = {k: v for k, v in overrides.items() if k not in FULL_ONLY}
-    # every variant of a run the same ladder of rows (bf16 reads bf16_short's programs back)
+    # every variant of a run the same ladder of rows (bf16 reads bf16_short's programs back);
+    # the pool sized after compiling, from the share of the card the stage's process holds
     options = {"max_num_seqs": max((QUICK if quick else FULL).batches),
+               "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
                **(QUICK_LADDER if quick else {}), **overrides}
     try:
         started = time.perf_counter()

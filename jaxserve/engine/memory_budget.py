@@ -12,14 +12,14 @@ weights, the largest program's temporaries and a margin are taken out:
 - `others`: what is in use on the device besides this engine's weights (engines loaded
   before it in the same process);
 - `weights`: this engine's weights (and LoRA slots) on one device;
-- `temporaries`: the largest, over every bucket program, of its temporaries plus the
-  outputs not aliased to its inputs (`memory_analysis()`), read from the programs compiled
-  for a small provisional pool (`compiled_temporaries`) before the real one is allocated
-  and its programs compiled. A program that updates the cache in place (donated) needs
-  temporaries that do not grow with the pool: on XLA:CPU they are the same bytes; XLA:GPU
-  may schedule a loop differently beside a large pool, a few MiB more (docs/plans.md),
-  which the margin absorbs, and `Runner.check_device_memory` checks the real programs
-  against the device before their first run;
+- `temporaries`: the largest, over the largest bucket program of each kind, of its
+  temporaries plus the outputs not aliased to its inputs (`memory_analysis()`), read from
+  those programs compiled for a small provisional pool (`compiled_temporaries`) before the
+  real one is allocated and its programs compiled. A program that updates the cache in
+  place (donated) needs temporaries that do not grow with the pool: on XLA:CPU they are the
+  same bytes; XLA:GPU may schedule a loop differently beside a large pool, a few MiB more
+  (docs/plans.md), which the margin absorbs, and `Runner.check_device_memory` checks the
+  real programs against the device before their first run;
 - `margin`: `MARGIN_FRACTION` of `bytes_limit`, for the step's inputs and the allocator's
   fragmentation.
 
@@ -126,12 +126,25 @@ def abstract_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
         a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)), state))
 
 
+def largest_buckets(buckets: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The bucket of each kind of program with the most tokens, then rows: the one whose
+    temporaries (activations, logits) are the largest of its kind."""
+    largest: dict[str, tuple[str, int, int]] = {}
+    for bucket in buckets:
+        kind = bucket[0]
+        if kind not in largest or bucket[1:] > largest[kind][1:]:
+            largest[kind] = bucket
+    return list(largest.values())
+
+
 def compiled_temporaries(runner) -> dict[str, int]:
-    """Each bucket program's `program_temporaries`, by name, compiling every program of
-    `runner` (a `Runner`, usually of an abstract model and a small provisional pool)."""
+    """`program_temporaries` of the largest bucket program of each kind, by name, compiled
+    for `runner` (a `Runner`, usually of an abstract model and a small provisional pool):
+    a few compiles, not the ladder's. Every real program is checked against the device
+    before its first run all the same (`Runner.check_device_memory`)."""
     return {f"{kind} ({tokens} tokens, {rows} rows)":
             program_temporaries(runner.program(kind, tokens, rows))
-            for kind, tokens, rows in runner.bucket_programs()}
+            for kind, tokens, rows in largest_buckets(runner.bucket_programs())}
 
 
 def pages_after_compiling(model: nnx.Module, config: EngineConfig, dtype, mesh: Mesh,

@@ -10,8 +10,8 @@ from flax import nnx
 import sharding
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.memory_budget import (MemoryBudget, abstract_module, pages_after_compiling,
-                                           program_temporaries)
+from jaxserve.engine.memory_budget import (MemoryBudget, abstract_module, largest_buckets,
+                                           pages_after_compiling, program_temporaries)
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights, shard_model
@@ -97,3 +97,11 @@ def test_a_cpu_without_a_limit_is_sized_as_before(model):
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     assert pages_after_compiling(model, EngineConfig(**SIZED), np.float32, mesh,
                                  jax.devices()[0]) is None
+
+
+@pytest.mark.quick
+def test_the_probe_compiles_the_largest_bucket_of_each_kind():
+    buckets = [("step", 64, 8), ("step", 128, 8), ("step", 128, 16), ("step", 64, 16),
+               ("decode", 8, 8), ("decode", 16, 16), ("spec", 4, 4)]
+    assert largest_buckets(buckets) == [("step", 128, 16), ("decode", 16, 16),
+                                        ("spec", 4, 4)]
