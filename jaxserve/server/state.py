@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import shlex
 import threading
 import time
 from typing import Any, Callable
@@ -16,8 +18,10 @@ from jaxserve.fleet.fleet import ModelFleet
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
+from jaxserve.loading.hub import resolve_model
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.generation_defaults import read_generation_defaults
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.prometheus import PrometheusMetrics
 from jaxserve.tool_calling import ChatParsing
@@ -48,10 +52,17 @@ class ServerOptions:
     routing_seed: int = 0  # of the weighted choice among a name's versions
     chat_parsing: ChatParsing = ChatParsing()  # tool-call and reasoning parsers, every model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    chat_template: str | None = None  # replaces the model's (the one model's)
+    generation_config: str = "auto"  # request defaults: auto, vllm or a folder
+    url: str | None = None  # where clients connect (the ready line says it)
+    cors: dict | None = None  # CORSMiddleware's keywords; None: no cross-origin access
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
             raise ValueError("give a model or a models file (not both)")
+        if self.chat_template is not None and self.models_file is not None:
+            raise ValueError("a chat template replaces the one model's; a models file "
+                             "serves each model with its own")
         if self.lora_modules and self.models_file is not None:
             raise ValueError("lora_modules serves adapters of the one model; a models file "
                              "cannot name adapters")
@@ -89,6 +100,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
         self._reloading = threading.Lock()  # held while a reload runs; never waited for
+        self._generation_defaults: dict[str, dict] = {}  # model path → request defaults
 
     def read_entries(self) -> list[ModelEntry]:
         """The models to serve: the models file's entries, or the one model of `--model`."""
@@ -135,6 +147,15 @@ class ServerState:
                 return served, adapter
         return None
 
+    def generation_defaults(self, served: ServedModel) -> dict:
+        """The request defaults of `served`'s model (`--generation-config`), read once."""
+        path = served.entry.path
+        if path not in self._generation_defaults:
+            folder = resolve_model(path) if self.options.generation_config == "auto" else path
+            self._generation_defaults[path] = read_generation_defaults(
+                self.options.generation_config, folder)
+        return self._generation_defaults[path]
+
     def not_ready_reason(self) -> str:
         """What a client is told while nothing serves. A fatal reason is written "what
         failed: the error"; clients get only what failed, as the error may hold paths (the
@@ -160,8 +181,17 @@ class ServerState:
             self.fleet.start()
             for name, path in self.options.lora_modules:
                 self.load_lora(name, path)
+            if self.options.chat_template is not None and self.llm.tokenizer is not None:
+                self.llm.tokenizer.chat_template = self.options.chat_template
+            for served in self.fleet.table.served:
+                defaults = self.generation_defaults(served)
+                if defaults:
+                    log.info("%s: request defaults from generation_config.json: %s",
+                             served.pinned_id, defaults)
             self.ready = True
-            log.info("ready: %s", ", ".join(self.fleet.table.ids()))
+            ids = self.fleet.table.ids()
+            log.info("%s", "ready: " + ", ".join(ids) if self.options.url is None else
+                     ready_line(self.options.url, ids[0], self.api_key is not None))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
             self.fail(f"model failed to load: {err}")
@@ -188,3 +218,12 @@ class ServerState:
         yield
         self.ready = False
         self.fleet.close()  # multi-host: releases the follower processes
+
+
+def ready_line(url: str, model_id: str, api_key: bool) -> str:
+    """The one line logged when the server is ready: where to connect, the model's id, and a
+    request to paste."""
+    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
+    auth = ' -H "Authorization: Bearer $JAXSERVE_API_KEY"' if api_key else ""
+    return (f"ready: serving {model_id} at {url} — try: curl {url}/v1/completions "
+            f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
