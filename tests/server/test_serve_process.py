@@ -89,6 +89,7 @@ def test_readme_command_serves_the_default_model_with_real_words():
         text = response.json()["choices"][0]["text"]
         words = [w.strip(".,;:!?\"'") for w in text.split()]
         assert sum(w.isalpha() for w in words) >= 3, text
+        assert f"the text `{text}`" in " ".join((ROOT / "README.md").read_text().split())
     finally:
         stop(process)
 
