@@ -103,6 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
         model = with_revision(model, args.revision)
         adapters = lora_modules(args.lora_modules)
         _check_before_serving(model, dtype, args.config, engine_options, adapters)
+        if args.tokenizer is not None:
+            from jaxserve.loading.hub import resolve_model
+            from jaxserve.loading.tokenizer import Tokenizer
+
+            Tokenizer(resolve_model(args.tokenizer))  # exit 2 now, not after the weights
         if not multihost.is_leader():
             from jaxserve.llm import LLM
 
@@ -115,13 +120,14 @@ def _serve(args: argparse.Namespace) -> int:
             served_names = [DEFAULT_MODEL_NAME]
         options = ServerOptions(model=model, served_model_name=served_names, dtype=dtype,
                                 config=args.config, engine_options=engine_options,
-                                lora_modules=adapters, chat_template=chat_template)
+                                lora_modules=adapters, chat_template=chat_template,
+                                tokenizer=args.tokenizer)
     state = ServerState(dataclasses.replace(
         options, api_key=api_key, admin_api_key=admin_api_key,
         metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         request_limits=limits, chat_parsing=chat_parsing,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, seed=args.seed,
         url=server_url(args.host, args.port, args.root_path, ssl),
         cors=cors_settings(args)))
     server = uvicorn.Server(uvicorn.Config(
@@ -167,7 +173,7 @@ def _models_file_options(args: argparse.Namespace):
 
     given = [f"--{name.replace('_', '-')}" for name in ("model", "config", "dtype",
                                                         "served_model_name", "revision",
-                                                        "chat_template")
+                                                        "chat_template", "tokenizer")
              if getattr(args, name) is not None] + [f"--{k.replace('_', '-')}"
                                                      for k in flag_options(args)]
     if given:

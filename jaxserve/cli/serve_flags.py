@@ -142,6 +142,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients send as `model` (default: austen-3.4m for "
                             "the shipped model, else the --model value as given)")
+    model.add_argument("--tokenizer", default=None,
+                       help="take the tokenizer from this folder or Hub id (default: the "
+                            "model's)")
     model.add_argument("--revision", default=None,
                        help="the Hub branch, tag or commit of --model (the same as "
                             "--model ORG/NAME@REVISION; default: main)")
@@ -157,6 +160,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "max_new_tokens as max_tokens): auto reads the model's "
                             "generation_config.json, a folder reads its own, vllm uses "
                             "none (default: auto)")
+
+    engine.add_argument("--seed", type=int, default=0,
+                        help="seed of the random draws of requests that give no seed of "
+                             "their own (default: 0)")
 
     server = serve.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",

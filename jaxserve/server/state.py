@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import shlex
@@ -56,13 +57,15 @@ class ServerOptions:
     generation_config: str = "auto"  # request defaults: auto, vllm or a folder
     url: str | None = None  # where clients connect (the ready line says it)
     cors: dict | None = None  # CORSMiddleware's keywords; None: no cross-origin access
+    tokenizer: str | None = None  # the one model's tokenizer from another folder or Hub id
+    seed: int = 0  # of the random draws of requests without a seed (vLLM's --seed)
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
             raise ValueError("give a model or a models file (not both)")
-        if self.chat_template is not None and self.models_file is not None:
-            raise ValueError("a chat template replaces the one model's; a models file "
-                             "serves each model with its own")
+        if self.models_file is not None and (self.chat_template or self.tokenizer):
+            raise ValueError("a chat template or tokenizer replaces the one model's; a "
+                             "models file serves each model with its own")
         if self.lora_modules and self.models_file is not None:
             raise ValueError("lora_modules serves adapters of the one model; a models file "
                              "cannot name adapters")
@@ -74,9 +77,11 @@ class ServerOptions:
                              "options per model in the file, not as flags")
 
 
-def build_llm(entry: ModelEntry) -> LLM:
-    """One entry's LLM: its folder, dtype and preset, its engine options on top."""
-    return LLM(entry.path, dtype=entry.dtype, config=entry.config, **entry.options())
+def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0) -> LLM:
+    """One entry's LLM: its folder, dtype and preset, its engine options on top (and the
+    server's `tokenizer` and `seed`, `ServerOptions`)."""
+    return LLM(entry.path, dtype=entry.dtype, config=entry.config, tokenizer=tokenizer,
+               seed=seed, **entry.options())
 
 
 class ServerState:
@@ -85,6 +90,8 @@ class ServerState:
     def __init__(self, options: ServerOptions,
                  build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
+        if build is build_llm:
+            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed)
         self.api_key = options.api_key
         self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key

@@ -136,7 +136,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     (["--max-num-seqs", "600"], "max_num_batched_tokens (512) must be >= max_num_seqs (600)"),
     (["--tensor-parallel-size", "64"], "tensor_parallel_size (64)"),
     (["--max-tools", "0"], "max_tools must be a positive integer, got 0"),
-], ids=["missing-model", "page-size", "conflict", "mesh", "request-cap"])
+    (["--tokenizer", "/does/not/exist"], "model '/does/not/exist' is not a folder"),
+    (["--ssl-keyfile", "key.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+], ids=["missing-model", "page-size", "conflict", "mesh", "request-cap", "tokenizer", "tls"])
 def test_options_that_cannot_work_exit_2_before_serving(args, message):
     """Checked before the socket opens: a non-zero exit within seconds, the reason on
     stderr, not a server that answers 503 forever."""

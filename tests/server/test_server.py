@@ -91,6 +91,18 @@ def test_generation_config_gives_the_fields_a_request_leaves_out(server, client,
         state.options, state._generation_defaults = options, {}
 
 
+def test_seed_draws_the_seeds_of_unseeded_requests(reference):
+    """`LLM(seed=)` / `serve --seed`: an unseeded request samples as a request seeded with
+    the first draw of numpy's generator from that seed."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    first = int(numpy.random.default_rng(3).integers(2**32))
+    seeded = reference.generate("Once upon a time", SamplingParams(
+        temperature=1.0, max_tokens=8, ignore_eos=True, seed=first))[0].outputs[0].token_ids
+    reference.engine.reseed(3)
+    unseeded = reference.generate("Once upon a time", params)[0].outputs[0].token_ids
+    assert list(unseeded) == list(seeded)
+
+
 def test_chat_streaming_and_not_equal_llm_chat(client, reference):
     messages = [{"role": "user", "content": "Hello there"}]
     expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=8,
