@@ -131,7 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
         url=server_url(args.host, args.port, args.root_path, ssl),
         cors=cors_settings(args)))
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        create_app(state), host=args.host, port=args.port,
+        log_level=args.uvicorn_log_level or args.log_level,
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=args.drain_timeout))

@@ -201,9 +201,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         help="seconds to let in-flight requests finish after SIGTERM "
                              "(default: 300)")
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                        help="the level of jaxserve's own log (default: info)")
-    server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
-                        help="the level of the HTTP server's log (default: info)")
+                        help="the level of jaxserve's log, and of the HTTP server's unless "
+                             "--uvicorn-log-level says (default: info)")
+    server.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                        help="the level of the HTTP server's log, its access log included "
+                             "(default: --log-level's)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no log line per HTTP request")
     server.add_argument("--disable-log-requests", action="store_true",
