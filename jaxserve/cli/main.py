@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
                      "report memory per device and whether it fits (exit 0 fits, 1 not)")
-    add_model_options(plan)
+    add_model_options(plan, preset_required=True)
     plan.add_argument("--models", default=None, metavar="MODELS.toml",
                       help="plan every engine of a models file together (engines sharing a "
                            "device must fit together)")

@@ -90,11 +90,12 @@ def _shown_default(spec, cpu_options: dict) -> str | None:
     return None if builtin is None else str(builtin)
 
 
-def add_model_options(parser, engine=None) -> None:
+def add_model_options(parser, engine=None, preset_required: bool = False) -> None:
     """--model, --config, --dtype, and (in group `engine`, default: `parser`) a flag per
     engine option, derived from `EngineConfig` (`--max-num-seqs N`,
     `--[no-]enable-prefix-caching`, `--token-buckets 16 32 ...`). A flag left out is None,
-    so only the flags the user gives override the preset."""
+    so only the flags the user gives override the preset. `preset_required` (`plan`): every
+    default is the preset's, not the CPU one's."""
     from jaxserve.engine.config import option_specs
     from jaxserve.presets import CPU_PRESET, load_preset
 
@@ -114,7 +115,7 @@ def add_model_options(parser, engine=None) -> None:
     engine = parser if engine is None else engine
     for spec in option_specs():
         names = (spec.flag, *spec.aliases)
-        shown = _shown_default(spec, cpu_options)
+        shown = "the preset's" if preset_required else _shown_default(spec, cpu_options)
         if shown is None:
             help_text = spec.help
         elif spec.help.endswith(")") and "(default: " in spec.help:  # one default, not two
