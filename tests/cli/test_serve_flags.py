@@ -151,3 +151,19 @@ def test_allowed_origins_answer_a_browser_preflight(cors):
     assert allowed == (None if cors is None else "https://app.example")
     other = client.options("/v1/completions", headers={**headers, "Origin": "https://evil"})
     assert other.headers.get("access-control-allow-origin") is None
+
+
+def test_download_dir_is_where_hub_models_are_looked_for(tmp_path, monkeypatch):
+    """--download-dir points the Hugging Face cache at the folder (offline here: a model
+    not in it is an error naming that cache)."""
+    from huggingface_hub import constants
+
+    from jaxserve.cli.serve_values import use_download_dir
+    from jaxserve.loading.hub import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", constants.HF_HUB_CACHE)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", "unused")
+    use_download_dir(str(tmp_path))
+    with pytest.raises(ValueError, match=f"cache: {tmp_path}$"):
+        resolve_model("org/name")
