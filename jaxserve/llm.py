@@ -116,6 +116,7 @@ class LLM:
         draws of requests that give no seed of their own."""
         settings = resolve_settings(model, dtype, config, engine_options)
         model_dir = settings.model_dir
+        self.model_dir = model_dir  # the folder it was loaded from (a Hub id's snapshot)
         self.config, self.dtype = settings.model_config, settings.dtype
         self.engine_config = settings.engine_config
         tokenizer_dir = model_dir if tokenizer is None else resolve_model(tokenizer)

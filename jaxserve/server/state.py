@@ -19,7 +19,6 @@ from jaxserve.fleet.fleet import ModelFleet
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
-from jaxserve.loading.hub import resolve_model
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.generation_defaults import read_generation_defaults
@@ -107,7 +106,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
         self._reloading = threading.Lock()  # held while a reload runs; never waited for
-        self._generation_defaults: dict[str, dict] = {}  # model path → request defaults
+        self._generation_defaults: dict[str, dict] = {}  # model folder → request defaults
 
     def read_entries(self) -> list[ModelEntry]:
         """The models to serve: the models file's entries, or the one model of `--model`."""
@@ -155,13 +154,13 @@ class ServerState:
         return None
 
     def generation_defaults(self, served: ServedModel) -> dict:
-        """The request defaults of `served`'s model (`--generation-config`), read once."""
-        path = served.entry.path
-        if path not in self._generation_defaults:
-            folder = resolve_model(path) if self.options.generation_config == "auto" else path
-            self._generation_defaults[path] = read_generation_defaults(
+        """The request defaults of `served`'s model (`--generation-config`; an adapter
+        version: its base's), read once per model folder."""
+        folder = str(served.llm.model_dir)
+        if folder not in self._generation_defaults:
+            self._generation_defaults[folder] = read_generation_defaults(
                 self.options.generation_config, folder)
-        return self._generation_defaults[path]
+        return self._generation_defaults[folder]
 
     def not_ready_reason(self) -> str:
         """What a client is told while nothing serves. A fatal reason is written "what
