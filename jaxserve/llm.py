@@ -108,15 +108,20 @@ class LLM:
     """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
 
     def __init__(self, model: str, dtype: str | None = None, config: str | None = None,
-                 progress: bool = True, **engine_options: Any):
+                 progress: bool = True, tokenizer: str | None = None, seed: int = 0,
+                 **engine_options: Any):
         """`config`: a deployment preset (TOML); default: cpu.toml on CPU, none elsewhere.
-        `dtype` and `engine_options` override the preset's."""
+        `dtype` and `engine_options` override the preset's. As vLLM's: `tokenizer`, a folder
+        or Hub id to take the tokenizer from instead of the model's; `seed`, of the random
+        draws of requests that give no seed of their own."""
         settings = resolve_settings(model, dtype, config, engine_options)
         model_dir = settings.model_dir
+        self.model_dir = model_dir  # the folder it was loaded from (a Hub id's snapshot)
         self.config, self.dtype = settings.model_config, settings.dtype
         self.engine_config = settings.engine_config
-        has_tokenizer = (model_dir / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
+        tokenizer_dir = model_dir if tokenizer is None else resolve_model(tokenizer)
+        has_tokenizer = tokenizer is not None or (model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(tokenizer_dir) if has_tokenizer else None
         mesh = engine_mesh(self.engine_config)
         started = time.perf_counter()
         if checkpoint.is_checkpoint(model_dir):
@@ -135,6 +140,7 @@ class LLM:
         self.engine = Engine(self.model, self.engine_config, self.tokenizer, eos, progress,
                              load_seconds=time.perf_counter() - started, draft=draft)
         self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
+        self.engine.reseed(seed)
         self._request_ids = itertools.count()
 
     # ---- prompts ----------------------------------------------------------------------

@@ -23,6 +23,9 @@ def test_readme_python_examples_run(capsys):
         exec(compile(block, str(README), "exec"), namespace)
         out = capsys.readouterr().out
         printed.append(out)
+        shown = re.findall(r"^# prints: (.*)$", block, re.M)  # what the README says it prints
+        if shown:
+            assert out.splitlines() == shown
         if "structured_outputs" in block:
             structured.append((out, namespace))
     assert "".join(printed).strip().endswith("length")  # the text, then its finish reason

@@ -38,51 +38,12 @@ import os
 import sys
 
 from jaxserve import __version__
+from jaxserve.cli.serve_flags import add_model_options, add_serve_arguments
+from jaxserve.cli.serve_values import (check_generation_config, check_ssl_files, cors_settings,
+                                       read_chat_template, server_url, use_download_dir,
+                                       with_revision)
 from jaxserve.server.limits import RequestLimits
-from jaxserve.tool_calling import REASONING_PARSERS, TOOL_PARSERS, ChatParsing
-
-
-def _json_object(text: str) -> dict:
-    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
-    return value
-
-
-# an engine option's kind → how its flag parses a value
-FLAG_TYPES = {"int": int, "float": float, "str": str, "ints": int, "table": _json_object}
-
-
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--model, --config, --dtype, and a flag per engine option, derived from `EngineConfig`
-    (`--max-num-seqs N`, `--[no-]enable-prefix-caching`, `--token-buckets 16 32 ...`). A flag
-    left out is None, so only the flags the user gives override the preset."""
-    from jaxserve.engine.config import option_specs
-
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model folder, Hub id (ORG/NAME[@REVISION], "
-                             "through the local HF cache; HF_HUB_OFFLINE=1 reads only it) or "
-                             "jaxserve orbax checkpoint (default: the small model shipped "
-                             "with jaxserve)")
-    parser.add_argument("--config", default=None,
-                        help="deployment preset: a shipped one's name (v6e-8, h200-1; "
-                             "`jaxserve plan --list`) or a TOML file")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
-    for spec in option_specs():
-        names = (spec.flag, *spec.aliases)
-        if spec.kind == "bool":
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{spec.help} (default: {spec.default})")
-        else:
-            parser.add_argument(*names, dest=spec.name, type=FLAG_TYPES[spec.kind],
-                                default=None, choices=spec.choices,
-                                nargs="+" if spec.kind == "ints" else None,
-                                help=spec.help if spec.default in (None, ()) else
-                                f"{spec.help} (default: {spec.default})")
+from jaxserve.tool_calling import ChatParsing
 
 
 def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, dict]:
@@ -114,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
     from jaxserve.server.state import ServerOptions, ServerState
 
+    logging.getLogger().setLevel(args.log_level.upper())
     api_key = key_from(args.api_key, API_KEY_ENV, os.environ)
     admin_api_key = key_from(args.admin_api_key, ADMIN_API_KEY_ENV, os.environ)
     if args.metrics_need_api_key and not api_key:
@@ -121,10 +83,15 @@ def _serve(args: argparse.Namespace) -> int:
                          "JAXSERVE_API_KEY: the key /metrics would ask)")
     warn_if_open(args.host, api_key)
     limits = RequestLimits(args.max_stop_strings, args.max_stop_string_chars, args.max_tools,
-                           args.max_schema_bytes)
+                           args.max_schema_bytes, args.max_logprobs)
     chat_parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice,
                                args.reasoning_parser)
     runtime_lora = runtime_lora_updating(args)
+    ssl = check_ssl_files(args.ssl_keyfile, args.ssl_certfile)
+    chat_template = read_chat_template(args.chat_template)
+    check_generation_config(args.generation_config)
+    if args.download_dir is not None:
+        use_download_dir(args.download_dir)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     listener = _listen_socket(args.host, args.port) if multihost.is_leader() else None
     if args.models is not None:
@@ -134,8 +101,14 @@ def _serve(args: argparse.Namespace) -> int:
         options = _models_file_options(args)
     else:
         model, dtype, engine_options = resolve_model_settings(args)
+        model = with_revision(model, args.revision)
         adapters = lora_modules(args.lora_modules)
         _check_before_serving(model, dtype, args.config, engine_options, adapters)
+        if args.tokenizer is not None:
+            from jaxserve.loading.hub import resolve_model
+            from jaxserve.loading.tokenizer import Tokenizer
+
+            Tokenizer(resolve_model(args.tokenizer))  # exit 2 now, not after the weights
         if not multihost.is_leader():
             from jaxserve.llm import LLM
 
@@ -148,14 +121,21 @@ def _serve(args: argparse.Namespace) -> int:
             served_names = [DEFAULT_MODEL_NAME]
         options = ServerOptions(model=model, served_model_name=served_names, dtype=dtype,
                                 config=args.config, engine_options=engine_options,
-                                lora_modules=adapters)
+                                lora_modules=adapters, chat_template=chat_template,
+                                tokenizer=args.tokenizer)
     state = ServerState(dataclasses.replace(
         options, api_key=api_key, admin_api_key=admin_api_key,
         metrics_need_api_key=args.metrics_need_api_key,
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-        request_limits=limits, chat_parsing=chat_parsing, runtime_lora=runtime_lora))
+        request_limits=limits, chat_parsing=chat_parsing, runtime_lora=runtime_lora,
+        generation_config=args.generation_config, seed=args.seed,
+        url=server_url(args.host, args.port, args.root_path, ssl),
+        cors=cors_settings(args)))
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        create_app(state), host=args.host, port=args.port,
+        log_level=args.uvicorn_log_level or args.log_level,
+        access_log=not args.disable_uvicorn_access_log, root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=args.drain_timeout))
     state.on_fatal = lambda: setattr(server, "should_exit", True)  # exit once it is closed
     if args.models is not None:
@@ -194,7 +174,8 @@ def _models_file_options(args: argparse.Namespace):
     from jaxserve.server.state import ServerOptions
 
     given = [f"--{name.replace('_', '-')}" for name in ("model", "config", "dtype",
-                                                        "served_model_name")
+                                                        "served_model_name", "revision",
+                                                        "chat_template", "tokenizer")
              if getattr(args, name) is not None] + [f"--{k.replace('_', '-')}"
                                                      for k in flag_options(args)]
     if given:
@@ -379,71 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_options(serve)
-    serve.add_argument("--models", default=None, metavar="MODELS.toml",
-                       help="several models and versions from a models file (names, "
-                            "versions, weights, presets, devices, fallbacks; see README); "
-                            "SIGHUP or POST /admin/reload re-reads it")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1, the tokenizer and "
-                            "the info routes; prefer the environment (JAXSERVE_API_KEY or "
-                            "VLLM_API_KEY), as a flag shows in ps")
-    serve.add_argument("--admin-api-key", default=None,
-                       help="the key of /admin/reload and the LoRA load/unload routes, "
-                            "which are refused without one; prefer JAXSERVE_ADMIN_API_KEY")
-    serve.add_argument("--metrics-need-api-key", action="store_true",
-                       help="require the API key on /metrics too (default: open, for scrapers)")
-    serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients use (default: the model path)")
-    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    serve.add_argument("--max-waiting-requests", type=int, default=1024,
-                       help="beyond this many queued requests answer 429")
-    serve.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings,
-                       help="most stop strings a request may give (400 beyond)")
-    serve.add_argument("--max-stop-string-chars", type=int,
-                       default=RequestLimits.max_stop_string_chars,
-                       help="longest stop string, in characters")
-    serve.add_argument("--max-tools", type=int, default=RequestLimits.max_tools,
-                       help="most tools a chat request may give")
-    serve.add_argument("--max-schema-bytes", type=int, default=RequestLimits.max_schema_bytes,
-                       help="largest tool entry and output constraint (JSON schema, regex, "
-                            "choices, grammar), in bytes")
-    serve.add_argument("--drain-timeout", type=int, default=300,
-                       help="seconds to let in-flight requests finish after SIGTERM")
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='answer tool_choice "auto" (the default with tools) by parsing the '
-                            "model's calls with --tool-call-parser")
-    serve.add_argument("--tool-call-parser", default=None,
-                       choices=sorted(TOOL_PARSERS),
-                       help="the format the model writes tool calls in (vLLM's names)")
-    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split <think> reasoning into reasoning_content")
-    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT folders) to serve at start, as vLLM takes "
-                            "them: name=path or '{\"name\": ..., \"path\": ...}'; requests "
-                            "name them as their model (needs --enable-lora)")
-    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="register POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-                            "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1/true); needs "
-                            "--lora-allowed-roots and/or --lora-allow-hub")
-    serve.add_argument("--lora-allowed-roots", nargs="+", default=None, metavar="DIR",
-                       help="runtime loads: lora_path must be a folder under one of these")
-    serve.add_argument("--lora-allow-hub", action="store_true",
-                       help="runtime loads: lora_path may be a Hugging Face Hub id (fetched "
-                            "with the server's token)")
-    serve.add_argument("--coordinator-address", default=None,
-                       help="multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS)")
-    serve.add_argument("--num-processes", type=int, default=None)
-    serve.add_argument("--process-id", type=int, default=None)
+    add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion of one prompt")
     generate.add_argument("prompt", help="the prompt text")
-    _add_model_options(generate)
+    add_model_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -465,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
                      "report memory per device and whether it fits (exit 0 fits, 1 not)")
-    _add_model_options(plan)
+    add_model_options(plan, preset_required=True)
     plan.add_argument("--models", default=None, metavar="MODELS.toml",
                       help="plan every engine of a models file together (engines sharing a "
                            "device must fit together)")

@@ -259,6 +259,12 @@ class Engine:
             atexit.register(self.shutdown)  # followers must not outlive the leader
 
     # ---- requests -----------------------------------------------------------------------
+
+    def reseed(self, seed: int) -> None:
+        """Seed the draws that give each request without a seed of its own its seed (vLLM's
+        `--seed`): the same seed and the same requests in the same order sample the same."""
+        self._seed_rng = np.random.default_rng(seed)
+
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, prompt: str | None = None,
                       cache_salt: str | None = None, lora: Adapter | None = None) -> Sequence:

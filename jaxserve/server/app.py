@@ -31,6 +31,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -43,6 +44,7 @@ from jaxserve.server import handlers
 from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
 from jaxserve.server.auth import (AuthError, admin_key_dependency, api_key_dependency,
                                   check_api_key)
+from jaxserve.server.generation_defaults import with_defaults
 from jaxserve.server.lora_routes import add_lora_routes
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.router_routes import RequestIdMiddleware, add_router_routes
@@ -75,7 +77,9 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.jaxserve = state
 
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
-    app.add_middleware(RequestIdMiddleware)  # outermost: a 413 carries the id too
+    app.add_middleware(RequestIdMiddleware)  # a 413 carries the id too
+    if state.options.cors is not None:  # outermost: preflights and errors get its headers
+        app.add_middleware(CORSMiddleware, **state.options.cors)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -179,6 +183,7 @@ def create_app(state: ServerState) -> FastAPI:
         them, its grammar compiled (first here, so that an error names the field the client
         sent; the job finds it cached). Seconds for a long prompt: run it off the event
         loop."""
+        body = with_defaults(body, state.generation_defaults(served))
         state.request_limits.check(body)
         structured = body.structured()
         checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []

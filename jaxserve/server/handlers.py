@@ -126,8 +126,8 @@ class Job:
             raise InvalidRequestError("prompt", f"prompt has {prompt_len} tokens; this model's "
                                       f"maximum context length is {self.max_model_len}")
         wanted = self.requested_max_tokens()
-        if wanted is None:
-            return room
+        if wanted is None:  # the model's default (--generation-config), capped at the room
+            return min(room, self.body.default_max_tokens or room)
         if wanted > room:
             raise InvalidRequestError("max_tokens", f"max_tokens ({wanted}) plus the prompt "
                                       f"({prompt_len} tokens) exceeds this model's maximum "

@@ -14,6 +14,8 @@ limit alone leaves too large:
   (faster than linearly for a long list of choices), so a flood of large, distinct ones
   would keep the grammar compiler busy. llguidance's own limits (`LLParserLimits`: lexer
   fuel and grammar size, left at its defaults) bound the work of compiling what passes.
+- log-probabilities (`logprobs`, `top_logprobs`, `prompt_logprobs`): vLLM's `--max-logprobs`;
+  the engine computes at most `MAX_LOGPROBS` per token, so the cap cannot exceed it.
 
 A request past a cap is a `InvalidRequestError` naming the field (HTTP 400).
 """
@@ -25,6 +27,7 @@ import json
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +39,27 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_tools: int = 128  # OpenAI's limit
     max_schema_bytes: int = 64 << 10  # each tool entry, and the output constraint
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's default (20) too
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+            least = 0 if field.name == "max_logprobs" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive" if least else "a non-negative"
+                raise ValueError(f"{field.name} must be {kind} integer, got {value!r}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (the engine "
+                             f"computes that many per token), got {self.max_logprobs}")
 
     def check(self, body) -> None:
         """Raise `InvalidRequestError` naming the first field of `body` (a completion or
         chat request, `jaxserve.server.protocol`) past a cap."""
+        for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(body, field, None)
+            if not isinstance(value, bool) and value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(field, f"{field} is {value}; at most "
+                                          f"{self.max_logprobs} are allowed (--max-logprobs)")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > self.max_stop_strings:
             raise InvalidRequestError("stop", f"stop has {len(stops)} strings; at most "

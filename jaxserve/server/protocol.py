@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # up to --max-logprobs
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
@@ -85,6 +85,12 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only within one salt
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: the ids of the prompt and of each choice
+    # the model's max_tokens default when the request gives none (--generation-config)
+    _default_max_tokens: int | None = PrivateAttr(default=None)
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        return self._default_max_tokens
 
     _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
@@ -121,7 +127,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0)  # up to --max-logprobs (limits)
     echo: bool = False
 
 
@@ -189,7 +195,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)  # 0 (scoring only) is for completions
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # up to --max-logprobs
     tools: list[Any] | None = None  # checked by `tool_choice_checked`, naming the entry
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
+import shlex
 import threading
 import time
 from typing import Any, Callable
@@ -19,6 +22,7 @@ from jaxserve.llm import LLM
 from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.lora.slots import Adapter
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.generation_defaults import read_generation_defaults
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.prometheus import PrometheusMetrics
 from jaxserve.tool_calling import ChatParsing
@@ -50,10 +54,19 @@ class ServerOptions:
     chat_parsing: ChatParsing = ChatParsing()  # tool-call and reasoning parsers, every model
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
     runtime_lora: RuntimeLoRAUpdating | None = None  # None: no load/unload routes
+    chat_template: str | None = None  # replaces the model's (the one model's)
+    generation_config: str = "auto"  # request defaults: auto, vllm or a folder
+    url: str | None = None  # where clients connect (the ready line says it)
+    cors: dict | None = None  # CORSMiddleware's keywords; None: no cross-origin access
+    tokenizer: str | None = None  # the one model's tokenizer from another folder or Hub id
+    seed: int = 0  # of the random draws of requests without a seed (vLLM's --seed)
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
             raise ValueError("give a model or a models file (not both)")
+        if self.models_file is not None and (self.chat_template or self.tokenizer):
+            raise ValueError("a chat template or tokenizer replaces the one model's; a "
+                             "models file serves each model with its own")
         if self.lora_modules and self.models_file is not None:
             raise ValueError("lora_modules serves adapters of the one model; a models file "
                              "cannot name adapters")
@@ -65,9 +78,11 @@ class ServerOptions:
                              "options per model in the file, not as flags")
 
 
-def build_llm(entry: ModelEntry) -> LLM:
-    """One entry's LLM: its folder, dtype and preset, its engine options on top."""
-    return LLM(entry.path, dtype=entry.dtype, config=entry.config, **entry.options())
+def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0) -> LLM:
+    """One entry's LLM: its folder, dtype and preset, its engine options on top (and the
+    server's `tokenizer` and `seed`, `ServerOptions`)."""
+    return LLM(entry.path, dtype=entry.dtype, config=entry.config, tokenizer=tokenizer,
+               seed=seed, **entry.options())
 
 
 class ServerState:
@@ -76,6 +91,8 @@ class ServerState:
     def __init__(self, options: ServerOptions,
                  build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
+        if build is build_llm:
+            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed)
         self.api_key = options.api_key
         self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key
@@ -91,6 +108,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # asks the server process to exit
         self.ready = False
         self._reloading = threading.Lock()  # held while a reload runs; never waited for
+        self._generation_defaults: dict[str, dict] = {}  # model folder → request defaults
 
     def read_entries(self) -> list[ModelEntry]:
         """The models to serve: the models file's entries, or the one model of `--model`."""
@@ -137,6 +155,15 @@ class ServerState:
                 return served, adapter
         return None
 
+    def generation_defaults(self, served: ServedModel) -> dict:
+        """The request defaults of `served`'s model (`--generation-config`; an adapter
+        version: its base's), read once per model folder."""
+        folder = str(served.llm.model_dir)
+        if folder not in self._generation_defaults:
+            self._generation_defaults[folder] = read_generation_defaults(
+                self.options.generation_config, folder)
+        return self._generation_defaults[folder]
+
     def not_ready_reason(self) -> str:
         """What a client is told while nothing serves. A fatal reason is written "what
         failed: the error"; clients get only what failed, as the error may hold paths (the
@@ -162,8 +189,17 @@ class ServerState:
             self.fleet.start()
             for name, path in self.options.lora_modules:
                 self.load_lora(name, path)
+            if self.options.chat_template is not None and self.llm.tokenizer is not None:
+                self.llm.tokenizer.chat_template = self.options.chat_template
+            for served in self.fleet.table.served:
+                defaults = self.generation_defaults(served)
+                if defaults:
+                    log.info("%s: request defaults from generation_config.json: %s",
+                             served.pinned_id, defaults)
             self.ready = True
-            log.info("ready: %s", ", ".join(self.fleet.table.ids()))
+            ids = self.fleet.table.ids()
+            log.info("%s", "ready: " + ", ".join(ids) if self.options.url is None else
+                     ready_line(self.options.url, ids[0], self.api_key is not None))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
             self.fail(f"model failed to load: {err}")
@@ -190,3 +226,12 @@ class ServerState:
         yield
         self.ready = False
         self.fleet.close()  # multi-host: releases the follower processes
+
+
+def ready_line(url: str, model_id: str, api_key: bool) -> str:
+    """The one line logged when the server is ready: where to connect, the model's id, and a
+    request to paste."""
+    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
+    auth = ' -H "Authorization: Bearer $JAXSERVE_API_KEY"' if api_key else ""
+    return (f"ready: serving {model_id} at {url} — try: curl {url}/v1/completions "
+            f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")

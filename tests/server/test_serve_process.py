@@ -3,6 +3,7 @@ SIGTERM draining in-flight requests before exit."""
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -54,16 +55,41 @@ def readme_serve_command() -> list[str]:
     raise AssertionError("the README's first lines have no 'jaxserve serve' command")
 
 
+def ready_line(process: subprocess.Popen, timeout: float = 30) -> str:
+    """The log's ready line (logged as the server turns healthy), read on a thread so that a
+    log without one fails the test instead of blocking it."""
+    found: list[str] = []
+
+    def read():
+        for line in process.stdout:
+            if " ready: serving " in line:
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, "the server's log has no ready line"
+    return found[0]
+
+
 def test_readme_command_serves_the_default_model_with_real_words():
+    """The README's command serves austen-3.4m; its ready line names the URL, the model and
+    a curl command that, sent as printed, answers."""
     process, url = start_server(*readme_serve_command())
     try:
-        response = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0})
+        line = ready_line(process)
+        assert f"ready: serving austen-3.4m at {url} — try: curl " in line
+        curl = shlex.split(line.partition(" try: ")[2])
+        assert curl[:2] == ["curl", f"{url}/v1/completions"] and curl[-2] == "-d"
+        response = httpx.post(curl[1], timeout=120, json={
+            **json.loads(curl[-1]), "temperature": 0})
         assert response.status_code == 200, response.text
         assert response.json()["model"] == "austen-3.4m"
         text = response.json()["choices"][0]["text"]
         words = [w.strip(".,;:!?\"'") for w in text.split()]
         assert sum(w.isalpha() for w in words) >= 3, text
+        assert f"the text `{text}`" in " ".join((ROOT / "README.md").read_text().split())
     finally:
         stop(process)
 
@@ -110,7 +136,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     (["--max-num-seqs", "600"], "max_num_batched_tokens (512) must be >= max_num_seqs (600)"),
     (["--tensor-parallel-size", "64"], "tensor_parallel_size (64)"),
     (["--max-tools", "0"], "max_tools must be a positive integer, got 0"),
-], ids=["missing-model", "page-size", "conflict", "mesh", "request-cap"])
+    (["--tokenizer", "/does/not/exist"], "model '/does/not/exist' is not a folder"),
+    (["--ssl-keyfile", "key.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+], ids=["missing-model", "page-size", "conflict", "mesh", "request-cap", "tokenizer", "tls"])
 def test_options_that_cannot_work_exit_2_before_serving(args, message):
     """Checked before the socket opens: a non-zero exit within seconds, the reason on
     stderr, not a server that answers 503 forever."""

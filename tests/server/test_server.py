@@ -64,6 +64,45 @@ def test_streaming_completion_adds_up_with_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_generation_config_gives_the_fields_a_request_leaves_out(server, client, reference,
+                                                                 tmp_path):
+    """--generation-config FOLDER: its temperature and max_new_tokens apply to a chat
+    request that gives neither; a request's own field wins (the running server's options
+    swapped for the test, then restored)."""
+    import dataclasses
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 5}))
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=5,
+                                                       ignore_eos=True))[0].outputs[0].text
+    state, options = server.state, server.state.options
+    state.options, state._generation_defaults = dataclasses.replace(
+        options, generation_config=str(tmp_path)), {}
+    try:
+        out = client.chat.completions.create(model=NAME, messages=messages,
+                                             extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5
+        assert out.choices[0].message.content == expected
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=7,
+                                             extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 7
+    finally:
+        state.options, state._generation_defaults = options, {}
+
+
+def test_seed_draws_the_seeds_of_unseeded_requests(reference):
+    """`LLM(seed=)` / `serve --seed`: an unseeded request samples as a request seeded with
+    the first draw of numpy's generator from that seed."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    first = int(numpy.random.default_rng(3).integers(2**32))
+    seeded = reference.generate("Once upon a time", SamplingParams(
+        temperature=1.0, max_tokens=8, ignore_eos=True, seed=first))[0].outputs[0].token_ids
+    reference.engine.reseed(3)
+    unseeded = reference.generate("Once upon a time", params)[0].outputs[0].token_ids
+    assert list(unseeded) == list(seeded)
+
+
 def test_chat_streaming_and_not_equal_llm_chat(client, reference):
     messages = [{"role": "user", "content": "Hello there"}]
     expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=8,
