@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from jaxserve.cli.main import build_parser
+from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server import auth
 from jaxserve.server.state import ServerOptions
 from server_helpers import serving
@@ -33,7 +34,8 @@ def server(tmp_path_factory):
                                                               "chat_template": ESCAPE}))
     options = ServerOptions(model=str(folder), served_model_name=[NAME],
                             dtype="float32", api_key=KEY, metrics_need_api_key=True,
-                            max_body_bytes=MAX_BODY, engine_options=SMALL_ENGINE)
+                            max_body_bytes=MAX_BODY, engine_options=SMALL_ENGINE,
+                            runtime_lora=RuntimeLoRAUpdating((str(folder),)))  # the routes
     with serving(options) as running:
         yield running
 
