@@ -100,6 +100,8 @@ def run_stage(stage: str, quick: bool, seconds: float, copy_gbps: float | None
         command += (["--quick"] if quick else []) + (
             ["--copy-gbps", str(copy_gbps)] if copy_gbps else [])
         env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": SERVING_GPU_MEM_FRACTION}
+        if stage == "startup":  # its process only reads the chip's kind; its servers take
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # their own share of the card
         limit = QUICK_STAGE_LIMIT_S if quick else max(seconds, 0.0) + GRACE_S
         child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
         tail: collections.deque = collections.deque(maxlen=60)

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 # The GPU memory the start-up stage's server may take (XLA_PYTHON_CLIENT_MEM_FRACTION): the
-# 60M model needs little, and the stage's own process holds nothing.
+# 60M model needs little, and the stage's own process holds nothing (it runs without
+# preallocation: it only reads the chip's kind).
 STARTUP_GPU_MEM_FRACTION = "0.5"
 
 
@@ -121,7 +122,8 @@ def run_startup(add: Callable[[dict], None], quick: bool, deadline: float) -> No
         timeout = 900.0 if quick else max(180.0, deadline - time.perf_counter())
         args = argparse.Namespace(model=str(folder), config=preset_for(jax.devices()[0]),
                                   timeout=timeout)
-        env = {**os.environ, "JAXSERVE_CACHE_DIR": str(Path(scratch) / "cache"),
+        env = {**{k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"},
+               "JAXSERVE_CACHE_DIR": str(Path(scratch) / "cache"),
                "XLA_PYTHON_CLIENT_MEM_FRACTION": STARTUP_GPU_MEM_FRACTION}
         # The serving stages' batch limit: the same ladder of programs.
         flags = ["--max-num-seqs", str(max((QUICK if quick else FULL).batches))]
