@@ -196,7 +196,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                                      engine.quantize_activations, target.platform,
                                      target.accelerator or "")
     model_config = with_expert_parallel(model_config, engine.enable_expert_parallel,
-                                        engine.tensor_parallel_size)
+                                        engine.tensor_parallel_size, target.platform)
     devices = compile_only_devices(target)
     indices = mesh_device_indices(engine)
     if engine.devices is not None:
@@ -223,6 +223,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
         "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
         "quantization": model_config.quantization and model_config.quantization.method,
+        "expert_parallel": model_config.moe is not None and model_config.moe.expert_parallel,
         "kv_cache_dtype": jnp.dtype(cache_dtype).name,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "lora_slots_bytes_per_device": lora_bytes,
@@ -352,7 +353,7 @@ def _moe_hint(model_config, engine: EngineConfig) -> str:
     docs/models.md); expert parallelism keeps whole experts on each device."""
     moe = model_config.moe
     tp = engine.tensor_parallel_size
-    if moe is None or tp == 1 or engine.enable_expert_parallel:
+    if moe is None or tp == 1 or moe.expert_parallel:
         return ""
     return (f"; each device holds a {moe.intermediate_size // tp}-column slice of every expert "
             f"({moe.intermediate_size} / {tp}), which XLA may copy whole into another "

@@ -35,6 +35,7 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
     lines = [
         f"{plan['preset']}: {plan['model']} ({plan['dtype']}"
         + (f", {plan['quantization']} weights" if plan.get("quantization") else "")
+        + (", expert parallel" if plan.get("expert_parallel") else "")
         + f") on {plan['target']}, "
         f"{plan['devices']} device(s)",
         f"  per device: HBM {_gib(plan['hbm_bytes_per_device'])}, weights "
