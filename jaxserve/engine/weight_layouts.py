@@ -34,13 +34,13 @@ PINNED_PLATFORMS = ("tpu",)
 _RELAYOUTS = ("copy", "transpose")
 
 
-def weight_copies(hlo_text: str, weights: Sequence) -> int:
+def weight_copies(hlo_text: str, weights) -> int:
     """Instructions of a compiled program (its optimized HLO, fused or not: XLA:CPU fuses a
     relayout, XLA:TPU leaves it alone) that copy or transpose an array shaped like one of
-    `weights` (arrays or `ShapeDtypeStruct`s with shardings, read per device) whole:
+    `weights` (a pytree of arrays or `ShapeDtypeStruct`s with shardings, read per device) whole:
     relayouts of a weight. Vectors are not counted (a norm's scale, a bias: one layout)."""
     signatures = {(hlo_type(np.dtype(w.dtype).name), tuple(w.sharding.shard_shape(w.shape)))
-                  for w in weights if w.ndim >= 2}
+                  for w in jax.tree.leaves(weights) if w.ndim >= 2}
     return sum(1 for element, shape, opcode in unfused_instructions(hlo_text, with_fused=True)
                if opcode in _RELAYOUTS and (element, shape) in signatures)
 
