@@ -100,7 +100,7 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
                                      engine_config.quantize_activations, first.platform,
                                      first.device_kind)
     model_config = with_expert_parallel(model_config, engine_config.enable_expert_parallel,
-                                        engine_config.tensor_parallel_size)
+                                        engine_config.tensor_parallel_size, first.platform)
     return Settings(model_dir, model_config, resolved_dtype, engine_config)
 
 

@@ -18,6 +18,8 @@ What is checked, per device, from each compiled executable's `memory_analysis()`
   attention kernel; `pallas_kernels.kv_quant` says which layouts avoid it), and
   `cache_whole_pool_ops`, nothing else producing a whole pool but its one write. Read from
   the compiled HLO: memory_analysis may not count such a copy;
+- `weight_copies`, relayouts of a whole weight (`jaxserve.engine.weight_layouts`: on TPU the
+  programs take the weights in the layouts XLA chooses for the decode loop), reported;
 - the program's peak, arguments + outputs - aliased + temporaries + code, within the device's
   memory. `fits` holds when the weights plus the cache fit and every program's peak does.
 
@@ -47,7 +49,7 @@ from jaxserve.aot.collectives import collectives
 from jaxserve.aot.targets import GIB, Target, compile_only_devices
 from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
 from jaxserve.model.config import with_expert_parallel, with_quantization
-from jaxserve.engine import cache_audit
+from jaxserve.engine import cache_audit, weight_layouts
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
@@ -81,6 +83,7 @@ class ProgramReport:
     cache_copies: int = 0  # copy instructions of a whole page pool (relayouts)
     cache_whole_pool_ops: int = 0  # other instructions producing a whole pool, beyond writes
     cache_staged: int = 0  # XLA:TPU moving a whole (test-sized) pool into VMEM and back
+    weight_copies: int = 0  # copies or transposes of a whole weight (relayouts)
     error: str | None = None
     kernels: list[dict] | None = None  # GPU, with --verbose: the Triton kernels' resources
     collectives: dict[str, dict[str, int]] | None = None  # kind -> count, bytes per device
@@ -135,6 +138,7 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
     report.cache_copies = found.copies
     report.cache_whole_pool_ops = found.whole_pool_ops
     report.cache_staged = found.staged
+    report.weight_copies = weight_layouts.weight_copies(compiled.as_text(), args[0])
     report.collectives = collectives(compiled.as_text())
     return report
 
@@ -192,7 +196,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
                                      engine.quantize_activations, target.platform,
                                      target.accelerator or "")
     model_config = with_expert_parallel(model_config, engine.enable_expert_parallel,
-                                        engine.tensor_parallel_size)
+                                        engine.tensor_parallel_size, target.platform)
     devices = compile_only_devices(target)
     indices = mesh_device_indices(engine)
     if engine.devices is not None:
@@ -219,6 +223,7 @@ def build_plan(preset: Preset, model_dir: str | Path, dtype: str | None = None,
         "preset": preset.path.name, "model": model_name or Path(model_dir).name,
         "dtype": jnp.dtype(param_dtype).name, "scan_layers": model.scan_layers,
         "quantization": model_config.quantization and model_config.quantization.method,
+        "expert_parallel": model_config.moe is not None and model_config.moe.expert_parallel,
         "kv_cache_dtype": jnp.dtype(cache_dtype).name,
         "fits": False, "hbm_bytes_per_device": hbm, "weights_bytes_per_device": weights,
         "lora_slots_bytes_per_device": lora_bytes,
@@ -348,7 +353,7 @@ def _moe_hint(model_config, engine: EngineConfig) -> str:
     docs/models.md); expert parallelism keeps whole experts on each device."""
     moe = model_config.moe
     tp = engine.tensor_parallel_size
-    if moe is None or tp == 1 or engine.enable_expert_parallel:
+    if moe is None or tp == 1 or moe.expert_parallel:
         return ""
     return (f"; each device holds a {moe.intermediate_size // tp}-column slice of every expert "
             f"({moe.intermediate_size} / {tp}), which XLA may copy whole into another "

@@ -35,6 +35,7 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
     lines = [
         f"{plan['preset']}: {plan['model']} ({plan['dtype']}"
         + (f", {plan['quantization']} weights" if plan.get("quantization") else "")
+        + (", expert parallel" if plan.get("expert_parallel") else "")
         + f") on {plan['target']}, "
         f"{plan['devices']} device(s)",
         f"  per device: HBM {_gib(plan['hbm_bytes_per_device'])}, weights "
@@ -63,7 +64,9 @@ def format_plan(plan: dict[str, Any], verbose: bool = False) -> str:
                      + (f", copies a page pool {p['cache_copies']}x" if p.get("cache_copies")
                         else "")
                      + (f", {p['cache_whole_pool_ops']} other whole-pool op(s)"
-                        if p.get("cache_whole_pool_ops") else ""))
+                        if p.get("cache_whole_pool_ops") else "")
+                     + (f", copies a weight {p['weight_copies']}x" if p.get("weight_copies")
+                        else ""))
         if verbose and p.get("collectives"):
             lines.append("      collectives: " + ", ".join(
                 f"{kind} {c['count']}x ({_gib(c['bytes'])})"

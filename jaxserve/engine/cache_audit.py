@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -78,9 +79,9 @@ class PagePools:
         for shape, dtype, layers in zip(self.shapes, self.dtypes,
                                         self.layers or (1,) * len(self.shapes)):
             count = math.prod(shape)
-            out.add((_hlo_type(dtype), shape[0], count))
+            out.add((hlo_type(dtype), shape[0], count))
             if layers > 1:
-                out.add((_hlo_type(dtype), shape[0] // layers, count // layers))
+                out.add((hlo_type(dtype), shape[0] // layers, count // layers))
         return out
 
 
@@ -113,26 +114,30 @@ class CacheAudit:
         return None
 
 
-def pool_instructions(hlo_text: str, pools: PagePools) -> list[str]:
-    """The opcodes of the instructions outside fusions whose result is a whole pool (its
-    writes, copies and anything else computing one), in program order."""
-    sizes = pools.sizes()
+def unfused_instructions(hlo_text: str, with_fused: bool = False
+                         ) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(HLO element type, shape, opcode) of every array-valued instruction of an optimized
+    HLO module outside fusion computations (`with_fused`: inside them too), in program
+    order (a scalar's shape is (1,))."""
     fused = set(_FUSED.findall(hlo_text))
-    found = []
     inside_fusion = False
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
-            inside_fusion = header.group(1) in fused
+            inside_fusion = header.group(1) in fused and not with_fused
             continue
         match = None if inside_fusion else _INSTRUCTION.match(line)
-        if not match:
-            continue
-        element, dims, opcode = match.groups()
-        shape = [int(d) for d in dims.split(",")] if dims else [1]
-        if (element, shape[0], math.prod(shape)) in sizes and opcode not in _PASS_THROUGH:
-            found.append(opcode)
-    return found
+        if match:
+            element, dims, opcode = match.groups()
+            yield element, tuple(int(d) for d in dims.split(",")) if dims else (1,), opcode
+
+
+def pool_instructions(hlo_text: str, pools: PagePools) -> list[str]:
+    """The opcodes of the instructions outside fusions whose result is a whole pool (its
+    writes, copies and anything else computing one), in program order."""
+    sizes = pools.sizes()
+    return [opcode for element, shape, opcode in unfused_instructions(hlo_text)
+            if (element, shape[0], math.prod(shape)) in sizes and opcode not in _PASS_THROUGH]
 
 
 def audit(compiled: jax.stages.Compiled, pools: PagePools, cache_bytes: int) -> CacheAudit:
@@ -193,7 +198,7 @@ def _gib(count: int) -> str:
     return f"{count / 2**30:.2f} GiB"
 
 
-def _hlo_type(dtype: str) -> str:
+def hlo_type(dtype: str) -> str:
     """numpy dtype name → HLO element type (float32 → f32, int8 → s8, ...)."""
     names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8",
              "uint8": "u8", "int32": "s32", "float8_e4m3fn": "f8e4m3fn",

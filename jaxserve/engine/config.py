@@ -89,9 +89,10 @@ class EngineConfig:
                                         aliases=("-tp",))
     data_parallel_size: int = _option(1, "mesh", "engine replicas, each on its own "
                                       "devices", aliases=("-dp",))
-    enable_expert_parallel: bool = _option(False, "mesh", "mixture-of-experts models: "
-                                           "whole experts split among the tensor-parallel "
-                                           "devices, not a slice of each on every one")
+    enable_expert_parallel: bool | None = _option(
+        None, "mesh", "mixture-of-experts models: whole experts split among the "
+        "tensor-parallel devices, not a slice of each on every one (default: on TPU when "
+        "each device's slice of an expert would not be a multiple of 128 lanes)")
     scan_layers: bool | None = _option(None, "model", "run the layers as one lax.scan over "
                                        "stacked weights (default: on TPU/GPU)")
     devices: tuple[int, ...] | None = _option(None, "mesh", "indices of the devices to use "

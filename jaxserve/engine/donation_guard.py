@@ -67,15 +67,18 @@ def with_layouts(compiled: jax.stages.Compiled, index: int, tree):
 
 
 def placed_for(programs: dict[tuple[str, int, int], jax.stages.Compiled], weights, caches):
-    """`caches` in the layouts the compiled `programs` (by bucket) take (`with_layouts`,
-    after the first), checked with `weights` against every program (`check_placement`:
+    """(`weights`, `caches`) in the layouts the compiled `programs` (by bucket) take
+    (`with_layouts`, after the first; on TPU the weights' are pinned, see
+    `jaxserve.engine.weight_layouts`), checked against every program (`check_placement`:
     the programs' arguments 0 and 1)."""
     if programs:
-        caches = with_layouts(next(iter(programs.values())), 1, caches)
+        first = next(iter(programs.values()))
+        weights = with_layouts(first, 0, weights)
+        caches = with_layouts(first, 1, caches)
     for (kind, tokens, rows), compiled in programs.items():
         check_placement(f"{kind} ({tokens} tokens, {rows} rows)", compiled, [weights, caches],
                         {0: "weights", 1: "caches"})
-    return caches
+    return weights, caches
 
 
 def _live_bytes(signatures: set[tuple[tuple[int, ...], str]]) -> int:

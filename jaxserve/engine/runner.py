@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import math
 import os
+import logging
 import time
 
 import jax
@@ -63,6 +64,7 @@ from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine import weight_layouts
 from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from jaxserve.engine.memory_figures import log_figures
@@ -84,6 +86,8 @@ from jaxserve.speculative.rounds import speculative_rounds
 
 # The batcher builds step inputs in numpy; the programs take them as pytrees.
 jax.tree_util.register_dataclass(StepInput)
+
+log = logging.getLogger(__name__)
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -108,6 +112,7 @@ class Runner:
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
+        self.platform = platform or jax.default_backend()
         self.graphdef, self.state = nnx.split(model)
         # The programs take the weights as a flat list: flattening nnx variables per call
         # would cost the host more than the rest of a small step's dispatch.
@@ -185,6 +190,7 @@ class Runner:
         self._program_keys: dict[tuple, str] = {}  # bucket → its key in the store
         self._from_store: set[tuple] = set()  # buckets whose program was read from the store
         self._layouts: dict[tuple, Layout] = {}
+        self._weight_layouts: list | None = None  # chosen at the first compile
         self._no_history: dict[int, jax.Array] = {}  # rows → [rows, max_model_len] of -1
         self.mask_words = -(-model.config.vocab_size // 32)  # int32 words of a token bitmask
         self._all_allowed: dict[int, jax.Array] = {}  # rows → [rows, mask_words] of -1
@@ -434,15 +440,43 @@ class Runner:
     def program_inputs(self, kind: str, tokens: int, rows: int) -> tuple[jax.stages.Wrapped,
                                                                            list]:
         """The jitted function of a program and its abstract arguments (what `lower` takes):
-        the weights' leaves, the KV cache (donated), the packed inputs, the token history,
-        the grammar bitmasks and the previous step's sampled tokens."""
-        layout = self._layout(kind, tokens, rows)
+        the weights' leaves (in `weight_layouts`), the KV cache (donated), the packed inputs,
+        the token history, the grammar bitmasks and the previous step's sampled tokens."""
         function, out_shardings = self._programs[kind]
-        jitted = jax.jit(functools.partial(function, layout), donate_argnums=(1,),
-                         out_shardings=out_shardings)
+        jitted = jax.jit(functools.partial(function, self._layout(kind, tokens, rows)),
+                         donate_argnums=(1,), out_shardings=out_shardings)
+        args = self._arguments(kind, tokens, rows)
+        args[0] = weight_layouts.pinned(args[0], self.weight_layouts())
+        return jitted, args
+
+    def _arguments(self, kind: str, tokens: int, rows: int) -> list:
+        """A program's arguments as the runner holds them (see `program_inputs`)."""
         shapes = self._input_shapes(tokens, rows)
-        return jitted, [self._state_leaves, self.caches, packed_shape(layout, self.replicated),
-                        shapes.history, shapes.allowed, self.last_tokens]
+        return [self._state_leaves, self.caches,
+                packed_shape(self._layout(kind, tokens, rows), self.replicated),
+                shapes.history, shapes.allowed, self.last_tokens]
+
+    def weight_layouts(self) -> list:
+        """Per leaf of the model's weights, the layout every program takes it in (None: the
+        platform's default). On TPU XLA chooses them for the smallest decode loop, once
+        (`jaxserve.engine.weight_layouts`); elsewhere none are pinned. A probe that does not
+        compile pins none: the programs' own compiles then say why."""
+        if self._weight_layouts is None:
+            self._weight_layouts = []
+            if self.platform in weight_layouts.PINNED_PLATFORMS:
+                kind, tokens, rows = min((b for b in self.bucket_programs() if b[0] != "step"),
+                                         key=lambda b: b[2])
+                function, out_shardings = self._programs[kind]
+                try:
+                    self._weight_layouts = weight_layouts.chosen_layouts(
+                        functools.partial(function, self._layout(kind, tokens, rows)),
+                        out_shardings, self._arguments(kind, tokens, rows),
+                        self._num_model_leaves, self.platform)
+                except Exception as err:  # noqa: BLE001 - reported by the programs' compiles
+                    log.warning("weights keep the default layouts: the layout probe (%s, %d "
+                                "rows) did not compile: %s", kind, rows,
+                                str(err).splitlines()[0][:300])
+        return self._weight_layouts
 
     def program_description(self, kind: str, tokens: int, rows: int, args) -> dict:
         """What shapes a bucket's program, known without tracing it (with the devices and
@@ -459,6 +493,7 @@ class Runner:
                             "num_decode_steps": cfg.num_decode_steps, "speculative": spec},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
                 "window_layers": self.attention.window_layers,
+                "weight_layouts": [str(layout) for layout in self.weight_layouts()],
                 "arguments": [(a.shape, str(a.dtype), str(a.sharding))
                               for a in jax.tree.leaves(args)]}
 
@@ -582,7 +617,8 @@ class Runner:
         cache placed otherwise than a program expects stop start-up, and a program read from
         the store that cannot run or does not update the cache in place (a bad entry) is
         dropped and compiled again (`donation_guard`)."""
-        self.caches = placed_for(self._compiled, self._state_leaves, self.caches)
+        self._state_leaves, self.caches = placed_for(self._compiled, self._state_leaves,
+                                                     self.caches)
         for bucket in list(self._compiled):
             try:
                 self._first_run(*bucket)
@@ -629,7 +665,8 @@ class Runner:
 
     def reset_caches(self) -> None:
         """A fresh, zeroed KV cache and last-token buffer (every cached token is lost)."""
-        self.caches = placed_for(self._compiled, self._state_leaves, self._allocate_caches())
+        self._state_leaves, self.caches = placed_for(self._compiled, self._state_leaves,
+                                                     self._allocate_caches())
         self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
 
     def release(self) -> None:

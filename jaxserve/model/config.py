@@ -31,6 +31,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+TPU_LANES = 128  # the minor tile of a TPU array: a slice narrower than it is padded
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -570,18 +571,37 @@ def with_quantization(cfg: ModelConfig, method: str | None, activations: bool = 
     return quantized
 
 
-def with_expert_parallel(cfg: ModelConfig, enabled: bool,
-                         tensor_parallel_size: int) -> ModelConfig:
+def with_expert_parallel(cfg: ModelConfig, enabled: bool | None, tensor_parallel_size: int,
+                         platform: str = "cpu") -> ModelConfig:
     """`cfg` with its experts split whole among the `tensor_parallel_size` devices of the
-    "model" axis when `enabled` (`enable_expert_parallel`, vLLM's name). A dense model has
-    no experts and is returned as it is; experts that do not divide evenly among the
-    devices are a `ValueError`."""
-    if not enabled or cfg.moe is None:
+    "model" axis when `enabled` (`enable_expert_parallel`, vLLM's name; None: chosen by
+    `expert_parallel_by_default` for `platform`). A dense model has no experts and is
+    returned as it is; experts that do not divide evenly among the devices are a
+    `ValueError`."""
+    if cfg.moe is None:
+        return cfg
+    if enabled is None:
+        enabled = expert_parallel_by_default(cfg.moe, tensor_parallel_size, platform)
+    if not enabled:
         return cfg
     if cfg.moe.num_experts % tensor_parallel_size:
         raise ValueError(f"enable_expert_parallel: the {cfg.moe.num_experts} experts do not "
                          f"divide among tensor_parallel_size {tensor_parallel_size} devices")
     return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True))
+
+
+def expert_parallel_by_default(moe: MoEConfig, tensor_parallel_size: int, platform: str
+                               ) -> bool:
+    """Whether experts go whole to the devices when the user does not say: on TPU, when the
+    experts divide among the devices and each device's slice of an expert would not be a
+    multiple of the 128 lanes (Qwen3-30B-A3B on 8 chips: 768 / 8 = 96 columns). Such slices
+    are padded to whole lanes in every tile, a third of the gate and up stacks wasted there,
+    while whole experts are as wide as the checkpoint's and their all-reduce is the same size
+    (docs/models.md). Wide experts (Mixtral's 14336 / 8) keep the slices, which need fewer
+    temporaries on TPU; GPU and CPU keep them too."""
+    tp = tensor_parallel_size
+    return (platform == "tpu" and tp > 1 and moe.num_experts % tp == 0
+            and (moe.intermediate_size // tp) % TPU_LANES != 0)
 
 
 def _quantization_asked(cfg: ModelConfig, method: str | None,

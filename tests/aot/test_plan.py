@@ -401,3 +401,53 @@ def test_a_failing_plan_of_experts_split_column_wise_suggests_expert_parallelism
             in plan["reason"]) and "--enable-expert-parallel" in plan["reason"]
     code, plan = run_plan(*argv, "--enable-expert-parallel")
     assert code == 1 and plan["reason"] and "expert" not in plan["reason"]
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_experts_split_column_wise_are_read_in_place_on_tpu(tmp_path, monkeypatch, pinned):
+    """A Qwen3-MoE over 4 TPU chips with tensor-parallel experts (asked for: by default
+    these go whole to the chips), each chip's slice 96 columns wide (384 / 4, under the 128
+    lanes): XLA:TPU would take the gate and up stacks with their 512-wide axis minor, and the
+    decode loop would copy both whole (hoisted out of the loop). With the layouts XLA chooses
+    for the loop pinned (`jaxserve.engine.weight_layouts`), no program copies a weight;
+    without (the defect put back), the decode loop copies two."""
+    if not pinned:
+        monkeypatch.setattr("jaxserve.engine.weight_layouts.PINNED_PLATFORMS", ())
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
+        "devices = 1", "devices = 4"))
+    code, plan = run_plan("--config", preset, "--model", tmp_path / "moe",
+                          "--tensor-parallel-size", 4, "--no-enable-expert-parallel",
+                          "--buckets", "largest")
+    assert code == 0, plan["reason"]
+    copies = {p["name"]: p["weight_copies"] for p in plan["programs"]}
+    assert copies == ({"step": 0, "decode": 0} if pinned else {"step": 0, "decode": 2})
+
+
+@pytest.mark.parametrize("width, chosen", [(384, True), (512, False)])
+def test_expert_parallelism_is_chosen_on_tpu_for_experts_narrower_than_the_lanes(
+        tmp_path, width, chosen):
+    """Left unset, `enable_expert_parallel` turns on for a TPU plan whose experts' slices
+    would not be whole 128-lane tiles (384 / 4 = 96 columns) and stays off when they would
+    (512 / 4 = 128); the same 384-wide model on a GPU keeps its slices, and an explicit
+    `--no-enable-expert-parallel` is obeyed."""
+    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": width}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    for platform, accelerator in (("tpu", "v6e"), ("gpu", "h100")):
+        (tmp_path / f"{platform}.toml").write_text(PRESET.format(
+            platform=platform, accelerator=accelerator).replace("devices = 1", "devices = 4"))
+    argv = ("--model", tmp_path / "moe", "--tensor-parallel-size", 4, "--buckets", "largest")
+    code, plan = run_plan("--config", tmp_path / "tpu.toml", *argv)
+    assert code == 0 and plan["expert_parallel"] is chosen
+    if chosen:
+        code, plan = run_plan("--config", tmp_path / "tpu.toml", *argv,
+                              "--no-enable-expert-parallel")
+        assert code == 0 and plan["expert_parallel"] is False
+        code, plan = run_plan("--config", tmp_path / "gpu.toml", *argv)
+        assert code == 0 and plan["expert_parallel"] is False
