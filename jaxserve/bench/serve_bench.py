@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "output tokens at the best point meeting the SLO")
     parser.add_argument("--target-rate", type=float, default=None, metavar="REQ_PER_S",
                         help="prints the replicas of the measured deployment this load needs")
+    parser.add_argument("--baseline-url", default=None, metavar="URL",
+                        help="also load this server (e.g. vLLM on the same folder), alternating "
+                             "with --url round by round, and print both side by side")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --baseline-url: rounds of one run per server (default 3)")
     parser.add_argument("--json", default=None, help="write every point and the summary here")
     parser.add_argument("--plot", default=None,
                         help="write a PNG: throughput vs TTFT/TPOT with the SLO, latency CDFs "
@@ -317,6 +322,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plot:
         serve_sweep.require_pyplot()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
+    if args.baseline_url:
+        return _compare_from_args(args, slos)
     if len(points) == 1:
         print(f"benchmarking {args.url}: {args.num_prompts} prompts, rate "
               f"{points[0][0]}/s, concurrency {points[0][1]}", flush=True)
@@ -344,3 +351,20 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plot:
         serve_sweep.plot(results, slos, q, args.plot)
     return 0 if all(p["failed"] == 0 for p in results) else 1
+
+
+def _compare_from_args(args: argparse.Namespace, slos: dict[str, float]) -> int:
+    """`--baseline-url`: both servers alternately (`serve_compare`), side by side."""
+    from jaxserve.bench import serve_compare
+
+    print(f"comparing {args.url} with {args.baseline_url}: {args.rounds} rounds of "
+          f"{args.num_prompts} prompts, rate {args.request_rate[0]}/s, concurrency "
+          f"{args.max_concurrency[0]}", flush=True)
+    rows = asyncio.run(serve_compare.compare(args, slos))
+    print(serve_compare.format_comparison(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rounds": [{k: _finite(v) for k, v in row.items() if k != "_samples"}
+                                  for row in rows],
+                       "medians": serve_compare.medians(rows)}, out, indent=2)
+    return 0 if all(row["failed"] == 0 for row in rows) else 1

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.bench import serve_sweep
+from jaxserve.bench import serve_compare, serve_sweep
 from jaxserve.bench.serve_bench import RequestResult, summarize
 from jaxserve.cli.main import build_parser, main
 from jaxserve.server.state import ServerOptions
@@ -126,6 +126,37 @@ def test_plot_without_matplotlib_names_the_install(monkeypatch):
         serve_sweep.require_pyplot()
 
 
+def _run(server, round_, ttft_ms, tpot_ms, tokens_per_s):
+    """A round's summary as `compare` makes it, with the fields the comparison reads."""
+    return {"server": server, "round": round_, "failed": 0, "output_token_throughput": tokens_per_s,
+            "ttft_s": {"p50": ttft_ms / 1000}, "tpot_s": {"p50": tpot_ms / 1000}}
+
+
+def test_comparison_takes_medians_over_rounds_by_hand():
+    rows = [_run("jaxserve", 0, 90, 6, 1000), _run("baseline", 0, 130, 15, 400),
+            _run("jaxserve", 1, 300, 7, 700), _run("baseline", 1, 120, 14, 380),
+            _run("jaxserve", 2, 100, 5, 1100), _run("baseline", 2, 270, 30, 150)]
+    middle = serve_compare.medians(rows)  # the middle of three, not the mean
+    assert middle["jaxserve"] == pytest.approx(
+        {"TTFT p50 (ms)": 100, "TPOT p50 (ms)": 6, "output tok/s": 1000})
+    assert middle["baseline"] == pytest.approx(
+        {"TTFT p50 (ms)": 130, "TPOT p50 (ms)": 15, "output tok/s": 380})
+    lines = serve_compare.format_comparison(rows).splitlines()
+    assert lines[1].split() == ["round", "1", "jaxserve", "90.0", "6.0", "1000.0"]
+    assert lines[7].split() == ["median", "jaxserve", "100.0", "6.0", "1000.0"]
+    assert lines[9].split() == ["jaxserve/baseline", "0.77x", "0.40x", "2.63x"]
+    assert lines[10].endswith("yes")
+    slower = [r if r["server"] == "baseline" else {**r, "ttft_s": {"p50": 0.2}} for r in rows]
+    assert serve_compare.format_comparison(slower).endswith("no")  # 200 ms > 130 ms
+
+
+def test_comparison_refuses_a_sweep():
+    args = build_parser().parse_args(["bench", "serve", "--baseline-url", "http://h:2",
+                                      "--max-concurrency", "1", "8"])
+    with pytest.raises(ValueError, match="--max-concurrency"):
+        serve_compare.load_for(args, args.url, 0)
+
+
 ENGINE = {**SMALL_ENGINE, "max_num_seqs": 8, "num_pages": 96}
 
 
@@ -205,3 +236,21 @@ def test_cli_no_stream_times_whole_answers(server, tmp_path, capsys):
     assert point["itl_s"]["p50"] == 0.0
     assert point["ttft_s"] == point["e2e_s"]
     assert point["tpot_s"]["mean"] == pytest.approx(point["e2e_s"]["mean"] / 4)
+
+
+def test_cli_compares_two_servers_round_by_round(server, tmp_path, capsys):
+    report = tmp_path / "compare.json"
+    code = main(["bench", "serve", "--url", server.url, "--baseline-url", server.url, *LOAD,
+                 "--seed", "5", "--max-concurrency", "4", "--rounds", "2", "--json",
+                 str(report)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = json.loads(report.read_text())
+    assert [(r["round"], r["server"]) for r in data["rounds"]] == [
+        (0, "jaxserve"), (0, "baseline"), (1, "jaxserve"), (1, "baseline")]
+    assert all(r["completed"] == 8 and r["max_concurrency"] == 4 for r in data["rounds"])
+    lines = out.splitlines()
+    median = next(line for line in lines if line.startswith("median jaxserve")).split()
+    assert float(median[-1]) == pytest.approx(
+        data["medians"]["jaxserve"]["output tok/s"], abs=0.051)
+    assert lines[-1].startswith("TTFT p50 at most the baseline's")
