@@ -66,11 +66,12 @@ def test_serves_before_background_compiles_land_then_never_compiles(folder, gate
     with pytest.raises(CompileAfterWarmupError, match="background"):
         runner.program("step", 64, 8)
 
-    # three prompts longer than a 16-token step: chunked, two rows at a time
-    prompts = [[0] + list(range(5 + i, 25 + 2 * i)) for i in range(3)]
+    # two rows a step of 16 tokens: step 1 is the first prompt's first chunk, step 2 its
+    # last and all of the second (rows 0 and 1 sample), the third prompt waits for a row
+    prompts = [[0] + list(range(5, 25)), [0] + list(range(40, 47)), [0] + list(range(9, 31))]
     sequences = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
     engine.step()
-    engine.step()  # the first prompt's last chunk is in flight: its token is on device
+    engine.step()  # in flight: the tokens rows 0 and 1 sampled are still on device only
     gated_compiles.set()
     runner.background.join(timeout=600)
     assert engine.warming  # landed, not yet taken in: the next step takes them in
