@@ -8,11 +8,14 @@ every step on compiled programs — slower (more, smaller steps), never wrong.
 
 The ladders are climbed in `rungs`: rung k caps a step at the k-th token bucket and the k-th
 sequence bucket (each ladder held at its top once it runs out) and needs every program whose
-bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`); a
+bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`; on
+CPU with the platform's `quick_compile_options`, LLVM at -O0, unless the executable store
+already holds the full programs), a
 `BackgroundCompiler` thread compiles the programs of the rungs above, in order, and hands
 each over through a queue. Only the engine's own thread takes them in (`adopt`, between
 steps): it runs each program once on an all-padding batch (as warm-up does) and, once a
-whole rung is in, raises the scheduler's caps. So a request never waits on a compile, and a
+whole rung is in, raises the scheduler's caps. Last, the thread compiles rung 0's quick
+programs in full, and each replaces its quick one the same way. So a request never waits on a compile, and a
 step never asks for a program that is not there: the runner refuses that outright while
 programs are still landing (`CompileAfterWarmupError`), and once all have landed the usual
 zero-compiles-after-warm-up guarantee holds.
@@ -81,15 +84,20 @@ class BackgroundCompiler:
     """Compiles the programs of `ladder[1:]` on a thread of its own; the engine's thread
     takes each in with `adopt`. `limits` says how large a step may be now."""
 
-    def __init__(self, runner: Runner, ladder: list[Rung], shared_args: list):
+    def __init__(self, runner: Runner, ladder: list[Rung], shared_args: list,
+                 quick: list[Bucket] = ()):
         """`shared_args`: the runner's `abstract_shared_args()` (what the thread lowers
-        against: never the arrays the serving thread donates)."""
+        against: never the arrays the serving thread donates). `quick`: rung 0's programs
+        warm-up compiled with the platform's quick options; after the ladder, the thread
+        compiles them in full, and each replaces its quick one as it is taken in."""
         self._runner = runner
         self._shared_args = shared_args
         self._ladder = ladder
         self._reached = 0  # index of the highest rung whose programs are all taken in
         self._landed: queue.SimpleQueue = queue.SimpleQueue()  # (bucket, built) or error
         self._waiting = {b for rung in ladder[1:] for b in rung.buckets}  # not taken in yet
+        self._quick = list(quick)
+        self._replacing = set(quick)  # quick programs not yet replaced by full ones
         self.total = sum(len(rung.buckets) for rung in ladder)
         self.failure: BaseException | None = None
         self._started = time.perf_counter()
@@ -103,17 +111,16 @@ class BackgroundCompiler:
     def _compile_all(self) -> None:
         """Thread: build each waiting program, smallest rung first, and queue it."""
         try:
-            for rung in self._ladder[1:]:
-                for bucket in rung.buckets:
-                    self._landed.put((bucket, self._runner.build_program(
-                        *bucket, shared_args=self._shared_args)))
+            for bucket in [b for rung in self._ladder[1:] for b in rung.buckets] + self._quick:
+                self._landed.put((bucket, self._runner.build_program(
+                    *bucket, shared_args=self._shared_args)))
         except BaseException as err:  # noqa: BLE001 - reported on the engine's thread
             self._landed.put((None, err))
 
     @property
     def done(self) -> bool:
-        """Whether every program is compiled and taken in."""
-        return not self._waiting
+        """Whether every program is compiled in full and taken in."""
+        return not self._waiting and not self._replacing
 
     @property
     def ready(self) -> int:
@@ -128,8 +135,8 @@ class BackgroundCompiler:
 
     def adopt(self) -> bool:
         """Engine thread, between steps: take in every program landed since the last call
-        (each run once on padding); returns whether `limits` grew. A failed compile is
-        raised here, once."""
+        (each run once on padding); returns whether `limits` grew or the last program came
+        in. A failed compile is raised here, once."""
         grew = False
         while True:
             try:
@@ -139,7 +146,11 @@ class BackgroundCompiler:
             if bucket is None:
                 raise RuntimeError(f"compiling in the background failed: {built}") from built
             self._runner.adopt_program(bucket, built)
-            self._waiting.discard(bucket)
+            if bucket in self._waiting:
+                self._waiting.discard(bucket)
+            else:
+                self._replacing.discard(bucket)
+                grew = grew or self.done
             while (self._reached + 1 < len(self._ladder) and not self._waiting.intersection(
                     self._ladder[self._reached + 1].buckets)):
                 self._reached += 1

@@ -73,6 +73,7 @@ from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
 from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.platforms import platform as platform_traits
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.lora.adapter import LoRAAdapter
@@ -194,6 +195,9 @@ class Runner:
         self.first_runs_seconds = 0.0  # running each once
         self.compiles_after_warmup = 0
         self.background: BackgroundCompiler | None = None  # programs still compiling
+        # XLA options of the quick first programs a background warm-up replaces (CPU: -O0)
+        self.quick_compile_options = dict(
+            platform_traits(next(iter(mesh.devices.flat)).platform).quick_compile_options)
 
     # ---- traced programs ----------------------------------------------------------------
     def _token_ids(self, inp: StepInput, last_tokens):
@@ -482,25 +486,30 @@ class Runner:
             self._keep(bucket, self.build_program(kind, tokens, rows))
         return self._compiled[bucket]
 
-    def build_program(self, kind: str, tokens: int, rows: int, shared_args: list | None = None
-                      ) -> tuple[jax.stages.Compiled, str, bool]:
+    def build_program(self, kind: str, tokens: int, rows: int, shared_args: list | None = None,
+                      quick: bool = False) -> tuple[jax.stages.Compiled, str, bool]:
         """(a bucket's program, its store key, whether it was read from the store), compiled
         or read but not kept (`program` keeps it). `shared_args`: abstract weights, cache
         and last tokens to lower against instead of the live arrays (`abstract_shared_args`:
-        a thread compiling beside the serving one must not touch arrays a step donates)."""
+        a thread compiling beside the serving one must not touch arrays a step donates).
+        `quick`: with the platform's `quick_compile_options` (a program of its own key)."""
         jitted, args = self.program_inputs(kind, tokens, rows)
         if shared_args is not None:
             args[:2], args[-1] = shared_args[:2], shared_args[2]
         devices = list(self.mesh.devices.flat)
-        key = program_store_key(self.program_description(kind, tokens, rows, args), devices)
+        options = dict(self.quick_compile_options) if quick else None
+        description = self.program_description(kind, tokens, rows, args)
+        if options:
+            description["compiler_options"] = sorted(options.items())
+        key = program_store_key(description, devices)
         stored = []
 
         def build() -> jax.stages.Compiled:
             if self.executable_store is None:
-                return jitted.lower(*args).compile()
+                return jitted.lower(*args).compile(options)
             compiled, from_store = self.executable_store.load_or_compile(
                 key, lambda: jitted.lower(*args), jax.tree.structure((tuple(args), {})),
-                devices)
+                devices, options)
             stored.append(from_store)
             return compiled
 
@@ -596,12 +605,22 @@ class Runner:
         started = time.perf_counter()
         buckets = self.bucket_programs()
         ladder = rungs(self.config, buckets) if background else []
+        quick: list[tuple] = []  # compiled quick now, replaced in the background
         if len(ladder) > 1:
             buckets = list(ladder[0].buckets)
+            if self.quick_compile_options:
+                quick = [bucket for bucket in buckets if not self.in_store(*bucket)]
         stored = sum(self.in_store(*bucket) for bucket in buckets) if progress else 0
+
+        def build(bucket: tuple) -> None:
+            if bucket in quick:
+                self._keep(bucket, self.build_program(*bucket, quick=True))
+            else:
+                self.program(*bucket)
+
         # Loading and compiling release the GIL: a few at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            loads = [pool.submit(self.program, *bucket) for bucket in buckets]
+            loads = [pool.submit(build, bucket) for bucket in buckets]
             for load in tqdm(concurrent.futures.as_completed(loads), total=len(loads),
                              desc=warm_up_label(len(buckets), stored), unit="program",
                              disable=not progress):
@@ -621,7 +640,8 @@ class Runner:
             self.first_runs_seconds = time.perf_counter() - started
             log_figures("after the first runs", device, self._state_leaves, self.caches)
         if len(ladder) > 1:
-            self.background = BackgroundCompiler(self, ladder, self.abstract_shared_args())
+            self.background = BackgroundCompiler(self, ladder, self.abstract_shared_args(),
+                                                 quick)
             self.background.start()
 
     def first_runs(self) -> None:

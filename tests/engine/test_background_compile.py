@@ -44,10 +44,10 @@ def gated_compiles(monkeypatch):
     gate = threading.Event()
     build = Runner.build_program
 
-    def gated(self, kind, tokens, rows, shared_args=None):
+    def gated(self, kind, tokens, rows, shared_args=None, quick=False):
         if shared_args is not None:
             assert gate.wait(timeout=600)
-        return build(self, kind, tokens, rows, shared_args=shared_args)
+        return build(self, kind, tokens, rows, shared_args=shared_args, quick=quick)
 
     monkeypatch.setattr(Runner, "build_program", gated)
     return gate
@@ -55,13 +55,15 @@ def gated_compiles(monkeypatch):
 
 def test_serves_before_background_compiles_land_then_never_compiles(folder, gated_compiles):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    # without the executable store, rung 0 is compiled quick (CPU: -O0), then in full
     config = EngineConfig(**{**SMALL_ENGINE, **LADDERS, "compile_in_background": True,
-                             "strict_compile": True})
+                             "strict_compile": True, "executable_cache": False})
     engine = Engine(load_weights(folder, load_config(folder), progress=False), config,
                     Tokenizer(folder), [1], progress=False)
     runner, scheduler = engine.runner, engine.replicas[0].scheduler
     assert engine.warming and engine.programs_ready() == (2, 6)
     assert set(runner._compiled) == SMALLEST
+    quick_keys = {bucket: runner._program_keys[bucket] for bucket in SMALLEST}
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (16, 2)
     with pytest.raises(CompileAfterWarmupError, match="background"):
         runner.program("step", 64, 8)
@@ -79,6 +81,8 @@ def test_serves_before_background_compiles_land_then_never_compiles(folder, gate
         engine.step()
     assert not engine.warming and engine.programs_ready() == (6, 6)
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (64, 8)
+    assert all(runner._program_keys[bucket] != quick_keys[bucket] for bucket in SMALLEST)
+    assert engine.startup_seconds["background_compile"] > 0
     for seq, prompt in zip(sequences, prompts):
         assert seq.output_token_ids == transformers_greedy(hf_model, prompt, 6)
 
