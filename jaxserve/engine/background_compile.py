@@ -11,7 +11,7 @@ sequence bucket (each ladder held at its top once it runs out) and needs every p
 bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`; on
 CPU with the platform's `quick_compile_options`, LLVM at -O0, unless the executable store
 already holds the full programs), a
-`BackgroundCompiler` thread compiles the programs of the rungs above, in order, and hands
+`BackgroundCompiler` thread compiles the programs of the rungs above, in order, two at a time, and hands
 each over through a queue. Only the engine's own thread takes them in (`adopt`, between
 steps): it runs each program once on an all-padding batch (as warm-up does) and, once a
 whole rung is in, raises the scheduler's caps. Last, the thread compiles rung 0's quick
@@ -23,8 +23,10 @@ zero-compiles-after-warm-up guarantee holds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -109,11 +111,17 @@ class BackgroundCompiler:
         self._thread.start()
 
     def _compile_all(self) -> None:
-        """Thread: build each waiting program, smallest rung first, and queue it."""
+        """Thread: build each waiting program, smallest rung first (two at a time), and
+        queue each as it is done."""
+        order = [b for rung in self._ladder[1:] for b in rung.buckets] + self._quick
         try:
-            for bucket in [b for rung in self._ladder[1:] for b in rung.buckets] + self._quick:
-                self._landed.put((bucket, self._runner.build_program(
-                    *bucket, shared_args=self._shared_args)))
+            # as warm-up does: compiling releases the GIL, two at once use both of 2 cores
+            with concurrent.futures.ThreadPoolExecutor(min(2, os.cpu_count() or 1)) as pool:
+                builds = {pool.submit(self._runner.build_program, *bucket,
+                                      shared_args=self._shared_args): bucket
+                          for bucket in order}
+                for build in concurrent.futures.as_completed(builds):
+                    self._landed.put((builds[build], build.result()))
         except BaseException as err:  # noqa: BLE001 - reported on the engine's thread
             self._landed.put((None, err))
 
