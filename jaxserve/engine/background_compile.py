@@ -10,13 +10,13 @@ The ladders are climbed in `rungs`: rung k caps a step at the k-th token bucket 
 sequence bucket (each ladder held at its top once it runs out) and needs every program whose
 bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`; on
 CPU with the platform's `quick_compile_options`, LLVM at -O0, unless the executable store
-already holds the full programs), a
-`BackgroundCompiler` thread compiles the programs of the rungs above, in order, two at a time, and hands
-each over through a queue. Only the engine's own thread takes them in (`adopt`, between
-steps): it runs each program once on an all-padding batch (as warm-up does) and, once a
-whole rung is in, raises the scheduler's caps. Last, the thread compiles rung 0's quick
-programs in full, and each replaces its quick one the same way. So a request never waits on a compile, and a
-step never asks for a program that is not there: the runner refuses that outright while
+already holds the full programs), a `BackgroundCompiler` thread compiles the programs of
+the rungs above, in order, two at a time, and hands each over through a queue. Only the
+engine's own thread takes them in (`adopt`, between steps): it runs each program once on
+an all-padding batch (as warm-up does) and, once a whole rung is in, raises the
+scheduler's caps. Last, the thread compiles rung 0's quick programs in full, and each
+replaces its quick one the same way. So a request never waits on a compile, and a step
+never asks for a program that is not there: the runner refuses that outright while
 programs are still landing (`CompileAfterWarmupError`), and once all have landed the usual
 zero-compiles-after-warm-up guarantee holds.
 """
