@@ -527,6 +527,8 @@ class Runner:
         self._program_keys[bucket] = key
         if from_store:
             self._from_store.add(bucket)
+        else:  # a full program replacing a quick one read from the store
+            self._from_store.discard(bucket)
 
     def adopt_program(self, bucket: tuple, built: tuple[jax.stages.Compiled, str, bool]
                       ) -> None:
