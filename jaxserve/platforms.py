@@ -28,17 +28,23 @@ class Platform:
     and a step runs ~2x slower). `restores_cached_programs`: a program JAX's persistent
     compilation cache answered can be serialized into the executable store and run when read
     back (not on CPU, so there the store alone caches programs). `default_preset`: the preset
-    used when none is named."""
+    used when none is named. `quick_compile_options`: XLA options that compile a program
+    much sooner and run it slower, for the first programs of a server that compiles the rest
+    in the background and swaps these for full ones (`jaxserve.engine.background_compile`):
+    on CPU LLVM at -O0, about a third of the compile time for ~30% less batch throughput
+    (docs/performance.md)."""
 
     name: str
     scan_layers_by_default: bool
     restores_cached_programs: bool
     default_preset: Path | None = None
+    quick_compile_options: tuple[tuple[str, object], ...] = ()
 
 
 PLATFORMS = {
     "cpu": Platform("cpu", scan_layers_by_default=False, restores_cached_programs=False,
-                    default_preset=PRESETS / "cpu.toml"),
+                    default_preset=PRESETS / "cpu.toml",
+                    quick_compile_options=(("xla_backend_optimization_level", 0),)),
     "tpu": Platform("tpu", scan_layers_by_default=True, restores_cached_programs=True),
     "gpu": Platform("gpu", scan_layers_by_default=True, restores_cached_programs=True),
 }

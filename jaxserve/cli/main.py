@@ -101,6 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
         options = _models_file_options(args)
     else:
         model, dtype, engine_options = resolve_model_settings(args)
+        # healthy once the smallest buckets' programs exist (--no-compile-in-background: all)
+        engine_options.setdefault("compile_in_background", True)
         model = with_revision(model, args.revision)
         adapters = lora_modules(args.lora_modules)
         _check_before_serving(model, dtype, args.config, engine_options, adapters)

@@ -85,6 +85,10 @@ class EngineConfig:
                                                 "~/.cache/jaxserve/xla)")
     executable_cache: bool = _option(True, "compile", "keep compiled programs on disk "
                                      "whole: a restart neither traces nor compiles")
+    compile_in_background: bool = _option(
+        False, "compile", "serve once the smallest buckets' programs exist and compile the "
+        "rest in the background, capping steps to the programs there (`jaxserve serve` "
+        "turns it on)")
     tensor_parallel_size: int = _option(1, "mesh", "devices each layer is split over",
                                         aliases=("-tp",))
     data_parallel_size: int = _option(1, "mesh", "engine replicas, each on its own "

@@ -225,10 +225,12 @@ class Engine:
             runner = Runner(replica_model, config, self.num_pages, sub_mesh,
                             executable_store=self.executable_store, draft=replica_draft,
                             window=self.window)
-            runner.warm_up(progress)
+            runner.warm_up(progress, background=config.compile_in_background
+                           and not multihost.is_multiprocess())
             slots = SlotTable(config.max_loras) if config.enable_lora else None
             self.replicas.append(Replica(allocator, Scheduler(config, allocator, slots, windows),
                                          runner))
+            self._cap_steps(self.replicas[-1])
         self.runner = self.replicas[0].runner
         runners = [r.runner for r in self.replicas]
         compile_s = sum(r.warm_up_seconds for r in runners)
@@ -241,6 +243,10 @@ class Engine:
                  "executable cache), warm-up %.1f s", self.startup_seconds["load"], compile_s,
                  sum(r.num_programs for r in runners),
                  sum(r.programs_from_store for r in runners), warm_s)
+        if self.warming:
+            ready, total = self.programs_ready()
+            log.info("serving on the smallest buckets' %d of %d programs; compiling the rest "
+                     "in the background", ready, total)
         warn_near_mapping_limit()
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -413,6 +419,43 @@ class Engine:
         return deltas
 
     # ---- stepping -----------------------------------------------------------------------
+    @property
+    def warming(self) -> bool:
+        """Whether some bucket programs are still compiling in the background (steps are
+        capped to the buckets whose programs are there)."""
+        return any(r.runner.background is not None and not r.runner.background.done
+                   for r in self.replicas)
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(bucket programs taken in, bucket programs in all), over the replicas."""
+        ready = total = 0
+        for replica in self.replicas:
+            background = replica.runner.background
+            programs = replica.runner.num_programs
+            ready += programs if background is None else background.ready
+            total += programs if background is None else background.total
+        return ready, total
+
+    def adopt_programs(self) -> None:
+        """Take in the programs compiled in the background since the last call and raise
+        each replica's step caps to match (the engine's thread, between steps; `step` does
+        it, and an idle server's loop calls it too)."""
+        for replica in self.replicas:
+            background = replica.runner.background
+            if background is not None and not background.done and background.adopt():
+                self._cap_steps(replica)
+                if background.done:
+                    self.startup_seconds["background_compile"] = background.seconds
+
+    @staticmethod
+    def _cap_steps(replica: Replica) -> None:
+        """A replica's scheduler caps: what the programs taken in so far can run."""
+        background = replica.runner.background
+        if background is not None:
+            tokens, rows = background.limits
+            replica.scheduler.max_num_batched_tokens = tokens
+            replica.scheduler.max_num_seqs = rows
+
     def step(self, max_decode_steps: int | None = None) -> list[StreamDelta]:
         """Dispatch every busy replica's next step, then read the step each dispatched before
         (so the host's work on one step's tokens overlaps the device's next step); return
@@ -421,6 +464,7 @@ class Engine:
         the tokens on the host). `max_decode_steps` caps a decode loop's length."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
+        self.adopt_programs()
         deltas = self._drain_inbox()
         dispatched = []
         for replica in self.replicas:  # dispatch all before fetching any
@@ -627,6 +671,7 @@ class Engine:
             totals["compiles_after_warmup"] += replica.runner.compiles_after_warmup
             totals["compiled_programs"] += replica.runner.num_programs
             totals["programs_from_store"] += replica.runner.programs_from_store
+        totals["bucket_programs"] = self.programs_ready()[1]
         usage = sum(r.allocator.usage for r in self.replicas) / len(self.replicas)
         return EngineStats(kv_cache_usage=usage, **totals)
 

@@ -113,10 +113,11 @@ def _note_cache_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_note_cache_hit)
 
 
-def compile_noting_cache(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-    """(`lowered.compile()`, whether JAX's persistent cache answered it)."""
+def compile_noting_cache(lowered: jax.stages.Lowered, compiler_options: dict | None = None
+                         ) -> tuple[jax.stages.Compiled, bool]:
+    """(`lowered.compile(compiler_options)`, whether JAX's persistent cache answered it)."""
     _compile_state.hit = False
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options)
     return compiled, _compile_state.hit
 
 
@@ -198,13 +199,14 @@ class ExecutableStore:
             log.warning("could not remove %s (%s)", self.path(key).name, err)
 
     def load_or_compile(self, key: str, lower: Callable[[], jax.stages.Lowered], in_tree,
-                        devices) -> tuple[jax.stages.Compiled, bool]:
+                        devices, compiler_options: dict | None = None
+                        ) -> tuple[jax.stages.Compiled, bool]:
         """(the program, whether it came from the store): the stored one, else `lower()`
-        compiled fresh and stored."""
+        compiled fresh (with `compiler_options`, which `key` must cover) and stored."""
         compiled = self.load(key, in_tree, devices)
         if compiled is not None:
             return compiled, True
-        compiled, from_jax_cache = compile_noting_cache(lower())
+        compiled, from_jax_cache = compile_noting_cache(lower(), compiler_options)
         if from_jax_cache and not platform(devices[0].platform).restores_cached_programs:
             log.debug("not storing a CPU program JAX's persistent cache answered (it would "
                       "not run once stored again)")

@@ -28,6 +28,7 @@ class EngineStats:
     compiles_after_warmup: int = 0
     compiled_programs: int = 0  # bucket programs the replicas hold (shared ones per replica)
     programs_from_store: int = 0  # of those, read whole from the executable store
+    bucket_programs: int = 0  # every program the ladders ask for (all compiled once landed)
 
 
 @dataclasses.dataclass

@@ -62,6 +62,7 @@ import sharding
 
 from jaxserve.attention import PagedBatch, make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
+from jaxserve.engine.background_compile import BackgroundCompiler, rungs
 from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine import weight_layouts
@@ -74,6 +75,7 @@ from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
 from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.platforms import platform as platform_traits
 from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.lora.adapter import LoRAAdapter
@@ -198,6 +200,10 @@ class Runner:
         self.warm_up_seconds = 0.0  # compiling or loading every program
         self.first_runs_seconds = 0.0  # running each once
         self.compiles_after_warmup = 0
+        self.background: BackgroundCompiler | None = None  # programs still compiling
+        # XLA options of the quick first programs a background warm-up replaces (CPU: -O0)
+        self.quick_compile_options = dict(
+            platform_traits(next(iter(mesh.devices.flat)).platform).quick_compile_options)
 
     # ---- traced programs ----------------------------------------------------------------
     def _token_ids(self, inp: StepInput, last_tokens):
@@ -499,31 +505,76 @@ class Runner:
 
     def program(self, kind: str, tokens: int, rows: int) -> jax.stages.Compiled:
         """The compiled program of a bucket, compiling it if warm-up did not (counted; with
-        `strict_compile` a `CompileAfterWarmupError`)."""
+        `strict_compile` a `CompileAfterWarmupError`). While programs still compile in the
+        background, a bucket not yet taken in is always a `CompileAfterWarmupError`: the
+        scheduler's caps keep steps off it, and a request must never wait on a compile."""
         bucket = (kind, tokens, rows)
         if bucket not in self._compiled:
+            if self.background is not None and not self.background.done:
+                raise CompileAfterWarmupError(
+                    f"program {bucket} is still compiling in the background")
             if self.warmed_up:
                 if self.config.strict_compile:
                     raise CompileAfterWarmupError(
                         f"program {bucket} was not compiled at warm-up (strict_compile=True)")
                 self.compiles_after_warmup += 1
-            jitted, args = self.program_inputs(kind, tokens, rows)
-            devices = list(self.mesh.devices.flat)
-            key = program_store_key(self.program_description(kind, tokens, rows, args), devices)
-
-            def build() -> jax.stages.Compiled:
-                if self.executable_store is None:
-                    return jitted.lower(*args).compile()
-                compiled, stored = self.executable_store.load_or_compile(
-                    key, lambda: jitted.lower(*args), jax.tree.structure((tuple(args), {})),
-                    devices)
-                if stored:
-                    self._from_store.add(bucket)
-                return compiled
-
-            self._compiled[bucket] = compile_shared(key, build)
-            self._program_keys[bucket] = key
+            self._keep(bucket, self.build_program(kind, tokens, rows))
         return self._compiled[bucket]
+
+    def build_program(self, kind: str, tokens: int, rows: int, shared_args: list | None = None,
+                      quick: bool = False) -> tuple[jax.stages.Compiled, str, bool]:
+        """(a bucket's program, its store key, whether it was read from the store), compiled
+        or read but not kept (`program` keeps it). `shared_args`: abstract weights, cache
+        and last tokens to lower against instead of the live arrays (`abstract_shared_args`:
+        a thread compiling beside the serving one must not touch arrays a step donates).
+        `quick`: with the platform's `quick_compile_options` (a program of its own key)."""
+        jitted, args = self.program_inputs(kind, tokens, rows)
+        if shared_args is not None:
+            args[:2], args[-1] = shared_args[:2], shared_args[2]
+        devices = list(self.mesh.devices.flat)
+        options = dict(self.quick_compile_options) if quick else None
+        description = self.program_description(kind, tokens, rows, args)
+        if options:
+            description["compiler_options"] = sorted(options.items())
+        key = program_store_key(description, devices)
+        stored = []
+
+        def build() -> jax.stages.Compiled:
+            if self.executable_store is None:
+                return jitted.lower(*args).compile(options)
+            compiled, from_store = self.executable_store.load_or_compile(
+                key, lambda: jitted.lower(*args), jax.tree.structure((tuple(args), {})),
+                devices, options)
+            stored.append(from_store)
+            return compiled
+
+        compiled = compile_shared(key, build)
+        return compiled, key, any(stored)
+
+    def abstract_shared_args(self) -> list:
+        """[weights, KV cache, last tokens] as shapes, dtypes and shardings (`build_program`)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            [self._state_leaves, self.caches, self.last_tokens])
+
+    def _keep(self, bucket: tuple, built: tuple[jax.stages.Compiled, str, bool]) -> None:
+        compiled, key, from_store = built
+        self._compiled[bucket] = compiled
+        self._program_keys[bucket] = key
+        if from_store:
+            self._from_store.add(bucket)
+        else:  # a full program replacing a quick one read from the store
+            self._from_store.discard(bucket)
+
+    def adopt_program(self, bucket: tuple, built: tuple[jax.stages.Compiled, str, bool]
+                      ) -> None:
+        """Take in a program compiled in the background (`build_program`) between steps: keep
+        it and run it once on padding, as warm-up does. The padding run writes only the
+        padding page; the last sampled tokens a step in flight left are kept."""
+        self._keep(bucket, built)
+        self.check_device_memory()
+        last_tokens = self.last_tokens
+        self._first_run_or_rebuild(bucket)
+        self.last_tokens = last_tokens
 
     def in_store(self, kind: str, tokens: int, rows: int) -> bool:
         """Whether the executable store holds this bucket's program (read, not compiled)."""
@@ -582,16 +633,31 @@ class Runner:
         keys = [("step", t, s) for t in cfg.token_buckets for s in cfg.seq_buckets if s <= t]
         return keys + [(kind, s, s) for kind, s in cfg.decode_programs()]
 
-    def warm_up(self, progress: bool = True) -> None:
+    def warm_up(self, progress: bool = True, background: bool = False) -> None:
         """Compile every bucket's program (or read it from the executable store / JAX's
         persistent cache), then run each once (`first_runs`). `warm_up_seconds` and
-        `first_runs_seconds` say how long each part took."""
+        `first_runs_seconds` say how long each part took. `background`: only the smallest
+        rung's programs now; the rest compile on a thread (`self.background`,
+        `jaxserve.engine.background_compile`) and the engine takes them in between steps."""
         started = time.perf_counter()
         buckets = self.bucket_programs()
+        ladder = rungs(self.config, buckets) if background else []
+        quick: list[tuple] = []  # compiled quick now, replaced in the background
+        if len(ladder) > 1:
+            buckets = list(ladder[0].buckets)
+            if self.quick_compile_options:
+                quick = [bucket for bucket in buckets if not self.in_store(*bucket)]
         stored = sum(self.in_store(*bucket) for bucket in buckets) if progress else 0
+
+        def build(bucket: tuple) -> None:
+            if bucket in quick:
+                self._keep(bucket, self.build_program(*bucket, quick=True))
+            else:
+                self.program(*bucket)
+
         # Loading and compiling release the GIL: a few at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            loads = [pool.submit(self.program, *bucket) for bucket in buckets]
+            loads = [pool.submit(build, bucket) for bucket in buckets]
             for load in tqdm(concurrent.futures.as_completed(loads), total=len(loads),
                              desc=warm_up_label(len(buckets), stored), unit="program",
                              disable=not progress):
@@ -610,6 +676,10 @@ class Runner:
             self.first_runs()
             self.first_runs_seconds = time.perf_counter() - started
             log_figures("after the first runs", device, self._state_leaves, self.caches)
+        if len(ladder) > 1:
+            self.background = BackgroundCompiler(self, ladder, self.abstract_shared_args(),
+                                                 quick)
+            self.background.start()
 
     def first_runs(self) -> None:
         """Run every compiled program once on an all-padding batch (it writes only the
@@ -620,22 +690,25 @@ class Runner:
         self._state_leaves, self.caches = placed_for(self._compiled, self._state_leaves,
                                                      self.caches)
         for bucket in list(self._compiled):
-            try:
-                self._first_run(*bucket)
-            except Exception as err:  # noqa: BLE001 - only a stored program is retried
-                if bucket not in self._from_store:
-                    raise
-                self.executable_store.reject(self._program_keys[bucket],
-                                             f"its first run failed: {err}")
-                self._from_store.discard(bucket)
-                forget(self._program_keys.pop(bucket))
-                del self._compiled[bucket]
-                if not self.caches_usable():
-                    self.reset_caches()
-                self.warmed_up = False  # not a compile after warm-up
-                self.program(*bucket)
-                self.warmed_up = True
-                self._first_run(*bucket)
+            self._first_run_or_rebuild(bucket)
+
+    def _first_run_or_rebuild(self, bucket: tuple) -> None:
+        """`_first_run`; a program read from the store that fails it is rejected, compiled
+        again and run (any other failure is raised)."""
+        try:
+            self._first_run(*bucket)
+        except Exception as err:  # noqa: BLE001 - only a stored program is retried
+            if bucket not in self._from_store:
+                raise
+            self.executable_store.reject(self._program_keys[bucket],
+                                         f"its first run failed: {err}")
+            self._from_store.discard(bucket)
+            forget(self._program_keys.pop(bucket))
+            del self._compiled[bucket]
+            if not self.caches_usable():
+                self.reset_caches()
+            self._keep(bucket, self.build_program(*bucket))  # not a compile after warm-up
+            self._first_run(*bucket)
 
     def _first_run(self, kind: str, tokens: int, rows: int) -> None:
         """`_run_padding`, checking that it updated the cache in place (`donation_guard`)."""

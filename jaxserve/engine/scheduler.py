@@ -108,6 +108,10 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # a step's caps: the config's, lower while the larger buckets' programs still compile
+        # (`jaxserve.engine.background_compile`; they only grow)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -293,7 +297,7 @@ class Scheduler:
     def schedule(self, max_decode_steps: int | None = None) -> SchedulerOutput:
         """This step's work. `max_decode_steps` caps a decode loop below `num_decode_steps`
         (an engine sharing its devices runs one step per turn)."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         out = SchedulerOutput(chunks=[])
         for seq in list(self.running):
             if budget == 0:
@@ -321,7 +325,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         no_slot = []  # sequences whose adapter found no slot, in arrival order
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._hold_adapter(seq):
                 no_slot.append(self.waiting.popleft())

@@ -3,7 +3,9 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
 `POST /detokenize`, `GET /tokenizer_info` (vLLM's), `GET /health` (503 until the
-models are loaded and warmed up; 500 once none can serve, while the process exits), `GET
+models are loaded and their smallest buckets' programs exist; 200 after, its body saying
+per model "warming" while the larger buckets still compile in the background, then "ready",
+and the programs ready of total; 500 once none can serve, while the process exits), `GET
 /metrics` (Prometheus), `POST /admin/reload` (re-read the models file, `jaxserve.fleet`),
 and for vLLM's router `GET /load`, `/get_load`, `/get_server_info`, `/get_model_info`
 (`jaxserve.server.router_routes`). Every response carries `X-Request-Id`: the client's, or
@@ -144,8 +146,12 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(500, state.not_ready_reason(), error_type="server_error")
         if not state.ready:
             return _error(503, state.not_ready_reason(), error_type="service_unavailable")
-        return {"status": "ok", "models": {state.fleet.public_id(s): "failed" if s.failure
-                                           else "ready" for s in state.fleet.table.served}}
+        served = state.fleet.table.served
+        return {"status": "ok",
+                "models": {state.fleet.public_id(s): "failed" if s.failure else "warming"
+                           if s.llm.engine.warming else "ready" for s in served},
+                "programs": {state.fleet.public_id(s): dict(zip(
+                    ("ready", "total"), s.llm.engine.programs_ready())) for s in served}}
 
     @app.get("/metrics")
     async def metrics(request: Request):

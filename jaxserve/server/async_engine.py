@@ -92,6 +92,7 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():
+                    self.engine.adopt_programs()  # while warming: programs landed meanwhile
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue

@@ -62,6 +62,9 @@ class _EngineState:
         yield gauge("jaxserve:compiled_programs",
                     "Bucket programs this model's engine holds (compiled once per process "
                     "and shared by engines with the same programs).", "compiled_programs")
+        yield gauge("jaxserve:bucket_programs",
+                    "Bucket programs the ladders ask for: compiled_programs is below it while "
+                    "the larger buckets still compile in the background.", "bucket_programs")
         yield gauge("jaxserve:programs_from_executable_cache",
                     "Of those, programs read whole from the executable cache at start-up "
                     "(neither traced nor compiled).", "programs_from_store")

@@ -158,8 +158,10 @@ def test_n_seed_and_logprobs(client):
 def test_models_and_health(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [NAME]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok",
-                                                        "models": {NAME: "ready"}}
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["models"] == {NAME: "ready"}
+    programs = health["programs"][NAME]  # every program landed: nothing compiles behind
+    assert programs["ready"] == programs["total"] > 0
 
 
 BAD_INPUTS = [
