@@ -49,6 +49,7 @@ import functools
 import math
 import os
 import logging
+import threading
 import time
 
 import jax
@@ -193,6 +194,7 @@ class Runner:
         self._from_store: set[tuple] = set()  # buckets whose program was read from the store
         self._layouts: dict[tuple, Layout] = {}
         self._weight_layouts: list | None = None  # chosen at the first compile
+        self._weight_layouts_lock = threading.Lock()
         self._no_history: dict[int, jax.Array] = {}  # rows → [rows, max_model_len] of -1
         self.mask_words = -(-model.config.vocab_size // 32)  # int32 words of a token bitmask
         self._all_allowed: dict[int, jax.Array] = {}  # rows → [rows, mask_words] of -1
@@ -467,22 +469,26 @@ class Runner:
         platform's default). On TPU XLA chooses them for the smallest decode loop, once
         (`jaxserve.engine.weight_layouts`); elsewhere none are pinned. A probe that does not
         compile pins none: the programs' own compiles then say why."""
-        if self._weight_layouts is None:
-            self._weight_layouts = []
-            if self.platform in weight_layouts.PINNED_PLATFORMS:
-                kind, tokens, rows = min((b for b in self.bucket_programs() if b[0] != "step"),
-                                         key=lambda b: b[2])
-                function, out_shardings = self._programs[kind]
-                try:
-                    self._weight_layouts = weight_layouts.chosen_layouts(
-                        functools.partial(function, self._layout(kind, tokens, rows)),
-                        out_shardings, self._arguments(kind, tokens, rows),
-                        self._num_model_leaves, self.platform)
-                except Exception as err:  # noqa: BLE001 - reported by the programs' compiles
-                    log.warning("weights keep the default layouts: the layout probe (%s, %d "
-                                "rows) did not compile: %s", kind, rows,
-                                str(err).splitlines()[0][:300])
+        with self._weight_layouts_lock:  # warm-up compiles from several threads
+            if self._weight_layouts is None:
+                self._weight_layouts = self._probe_weight_layouts()
         return self._weight_layouts
+
+    def _probe_weight_layouts(self) -> list:
+        """`weight_layouts`, chosen: the probe compile on TPU, none elsewhere."""
+        if self.platform not in weight_layouts.PINNED_PLATFORMS:
+            return []
+        kind, tokens, rows = min((b for b in self.bucket_programs() if b[0] != "step"),
+                                 key=lambda b: b[2])
+        function, out_shardings = self._programs[kind]
+        try:
+            return weight_layouts.chosen_layouts(
+                functools.partial(function, self._layout(kind, tokens, rows)), out_shardings,
+                self._arguments(kind, tokens, rows), self._num_model_leaves, self.platform)
+        except Exception as err:  # noqa: BLE001 - reported by the programs' compiles
+            log.warning("weights keep the default layouts: the layout probe (%s, %d rows) did "
+                        "not compile: %s", kind, rows, str(err).splitlines()[0][:300])
+            return []
 
     def program_description(self, kind: str, tokens: int, rows: int, args) -> dict:
         """What shapes a bucket's program, known without tracing it (with the devices and
