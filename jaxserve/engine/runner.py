@@ -13,7 +13,7 @@ previous step's sampled tokens):
   host round-trip. One token per row, never padded to a token bucket.
 - "spec" (S), with `speculative_config`: the decode loop's speculative form, each step a
   round that proposes drafts, verifies them in one forward and keeps the accepted tokens
-  (`jaxserve.speculative.rounds`); decode steps of more rows than `disable_by_batch_size`
+  (`jaxserve.engine.speculative_rounds`); decode steps of more rows than `disable_by_batch_size`
   run "decode".
 
 Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
@@ -80,7 +80,7 @@ from jaxserve.model import LlamaModel
 from jaxserve.model.lora import LORA_MODULES, LoRABatch
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.speculative import eagle3
-from jaxserve.speculative.rounds import speculative_rounds
+from jaxserve.engine.speculative_rounds import speculative_rounds
 
 # The batcher builds step inputs in numpy; the programs take them as pytrees.
 jax.tree_util.register_dataclass(StepInput)

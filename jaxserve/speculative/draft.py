@@ -9,7 +9,7 @@ the step's tokens (prompts, chunks, decode tokens), and each speculative round f
 current token and then each draft, one token a row, k + 1 times: the last draft too, so that
 when the round accepts every draft the cache already holds it. Rejected drafts' K/V lie past
 the row's length until later tokens overwrite them. A draft that proposes greedily is one
-token with probability 1, which is what the acceptance rule of `jaxserve.speculative.rounds`
+token with probability 1, which is what the acceptance rule of `jaxserve.engine.speculative_rounds`
 is exact for.
 """
 
