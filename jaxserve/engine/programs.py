@@ -30,6 +30,7 @@ from jaxserve.engine.packing import Layout, unpack
 from jaxserve.engine.sampler import TokenCounts, sample_with_logprobs, target_logprobs
 from jaxserve.engine.speculative_rounds import speculative_rounds
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.contract import ExpertMixture, StepContext
 from jaxserve.model.lora import LoRABatch
 from jaxserve.speculative.drafters import Drafter, make_drafter
 
@@ -55,6 +56,7 @@ class Programs:
     state_def: Any  # the tree of the target's weights' leaves
     num_model_leaves: int
     max_rows: int  # rows of `last_tokens`
+    experts: ExpertMixture | None = None  # how mixture-of-experts layers run their experts
     draft: DraftParts | None = None
     lora_def: Any = None  # the tree of the adapter slots' stacks, which end the flat list
     num_lora_leaves: int = 0
@@ -80,6 +82,13 @@ class Programs:
         stacks = jax.tree.unflatten(self.lora_def, state_leaves[-self.num_lora_leaves:])
         return LoRABatch.of(stacks, token_slots)
 
+    def _context(self, batch: PagedBatch, attention=None, lora: LoRABatch | None = None
+                 ) -> StepContext:
+        """What a forward over `batch` gives the model: `attention`'s (default: the
+        target's) for the batch, the experts, the batch's real tokens, `lora`."""
+        attention = self.attention if attention is None else attention
+        return StepContext(attention.for_step(batch), self.experts, batch.real_tokens, lora)
+
     def _drafter(self, state_leaves) -> Drafter:
         """The drafter of `speculative_config`, its model merged from the flat weights."""
         draft = attention = None
@@ -90,7 +99,7 @@ class Programs:
             attention = self.draft.attention
         cfg = self.config
         return make_drafter(cfg.speculative_config, cfg.max_model_len, cfg.page_size, draft,
-                            attention)
+                            attention, lambda batch: self._context(batch, attention))
 
     @staticmethod
     def _token_ids(inp: StepInput, last_tokens):
@@ -125,19 +134,18 @@ class Programs:
         token_ids = self._token_ids(inp, last_tokens)
         drafter = self._drafter(state_leaves)
         caches, own = drafter.split(caches)
-        forward = model(token_ids, inp.positions, caches, self.attention.for_step(batch),
-                        self._lora(state_leaves, inp.lora_slots),
+        forward = model(token_ids, inp.positions, caches,
+                        self._context(batch, lora=self._lora(state_leaves, inp.lora_slots)),
                         aux_layers=drafter.aux_layers, count_experts=self.counts_experts)
-        hidden, caches = forward[:2]  # [T, E]
-        aux = forward[2] if drafter.aux_layers else None  # [T, n E]
+        hidden, caches = forward.hidden, forward.kv_cache  # [T, E]
         logits = model.logits(hidden[inp.logits_indices])  # [S, V]
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
                                           inp.sampling)
         result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts, inp.allowed)
-        own = drafter.follow_step(model, own, inp, token_ids, batch, aux, result.tokens)
+        own = drafter.follow_step(model, own, inp, token_ids, batch, forward.aux,
+                                  result.tokens)
         prompt = target_logprobs(hidden, inp.prompt_targets, model.logits)  # [T] per field
-        load = forward[-1:] if self.counts_experts else ()  # ([L, X],) or ()
-        return (result, prompt, *load, drafter.join(caches, own),
+        return (result, prompt, *self._loads(forward.expert_load), drafter.join(caches, own),
                 self._padded(result.tokens))
 
     def decode(self, layout: Layout, state_leaves, caches, packed, history, allowed,
@@ -174,13 +182,13 @@ class Programs:
                                inp.page_indices, cu_q_lens, inp.num_seqs, decode_only=True,
                                window_slot_mapping=slots_in(inp.window_page_indices),
                                window_page_indices=inp.window_page_indices)
-            forward = model(current, position, caches, self.attention.for_step(batch), lora,
+            forward = model(current, position, caches, self._context(batch, lora=lora),
                             aux_layers=drafter.aux_layers, count_experts=self.counts_experts)
-            hidden, caches = forward[:2]  # [S, E]
+            hidden, caches = forward.hidden, forward.kv_cache  # [S, E]
             if self.counts_experts:
-                load = load + forward[-1]  # [L, X]
+                load = load + forward.expert_load  # [L, X]
             drafted = drafter.follow_decode(model, drafted, current, position, batch,
-                                            forward[2] if drafter.aux_layers else None)
+                                            forward.aux)
             result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
                                           counts, inp.allowed)
             new = result.tokens  # [S]
@@ -208,7 +216,7 @@ class Programs:
         was proposed and accepted, as the decode loop returns them plus `DraftCounts`."""
         model, inp, num_rounds = self._unpacked(layout, state_leaves, packed, history, allowed)
         out, count, drafts, caches, current, load = speculative_rounds(
-            model, self.attention, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
+            model, self._context, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
             self.config, self.model_config.vocab_size, self._drafter(state_leaves),
             self.no_load())
         return (out, count, drafts, *self._loads(load), caches, self._padded(current))

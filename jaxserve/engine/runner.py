@@ -77,6 +77,7 @@ from jaxserve.engine.sampler import SampleResult, TargetLogprobs
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.stacks import slot_stacks, write_slot
 from jaxserve.model import LlamaModel
+from jaxserve.model.expert_placement import expert_mixture
 from jaxserve.model.lora import LORA_MODULES
 from jaxserve.speculative import eagle3
 
@@ -171,6 +172,7 @@ class Runner:
         traced = Programs(
             config, model.config, self.attention, self.graphdef, self._state_def,
             self._num_model_leaves, self.max_rows,
+            expert_mixture(mesh, pallas_kernels=self.attention.name == "pallas"),
             None if draft is None else DraftParts(self.draft_graphdef, self._draft_def,
                                                   self.draft_attention),
             self._lora_def if self._num_lora_leaves else None, self._num_lora_leaves)

@@ -75,15 +75,16 @@ def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
     return accepted, kept, stopped
 
 
-def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
+def speculative_rounds(model, context, inp: StepInput, caches, current: jax.Array,
                        num_rounds: jax.Array, config: EngineConfig, vocab: int,
                        drafter: Drafter, load: jax.Array | None = None):
     """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
     `current [S]`, at `inp.positions`), `drafter` proposing (`caches` as its `split` takes
-    them). Returns the kept tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R =
-    `num_decode_steps`), how many each row kept `[S]`, `DraftCounts`, the cache(s), each
-    row's newest token `[S]`, and `load` (a mixture-of-experts target's expert load
-    `[L, X]`, None for a dense one) plus the pairs the verifications ran."""
+    them); `context(batch)`: the `StepContext` of a forward over a `PagedBatch`. Returns the
+    kept tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R = `num_decode_steps`), how
+    many each row kept `[S]`, `DraftCounts`, the cache(s), each row's newest token `[S]`,
+    and `load` (a mixture-of-experts target's expert load `[L, X]`, None for a dense one)
+    plus the pairs the verifications ran."""
     spec = config.speculative_config
     k, page_size, limit = spec.num_speculative_tokens, config.page_size, config.max_model_len
     width = k + 1
@@ -115,12 +116,11 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         ragged = RaggedWindow.of(q_lens, at, ~done[:, None], inp.page_indices, inp.num_seqs,
                                  page_size, inp.window_page_indices)
         out = model(ragged.flat(jnp.maximum(window, 0), 0), ragged.flat(at, 0), caches,
-                    attention.for_step(ragged.batch), aux_layers=drafter.aux_layers,
-                    count_experts=load is not None)  # [T, E], ...
-        hidden, caches = out[:2]
+                    context(ragged.batch), aux_layers=drafter.aux_layers,
+                    count_experts=load is not None)
+        hidden, caches, aux = out.hidden, out.kv_cache, out.aux  # [T, E], ..., [T, n E]
         if load is not None:
-            load = load + out[-1]  # [L, X]
-        aux = out[2] if drafter.aux_layers else None
+            load = load + out.expert_load  # [L, X]
         # one logits matmul for every position: the vocabulary's weights are read once
         logits = model.logits(ragged.per_column(hidden).reshape(tokens, -1))
         logits = logits.reshape(rows, width, -1)  # [S, W, V]

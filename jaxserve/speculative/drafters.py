@@ -97,20 +97,18 @@ class DraftModelDrafter(Drafter):
 
     has_cache = True
 
-    def __init__(self, draft, attention, k: int, page_size: int):
-        self.draft, self.attention = draft, attention
+    def __init__(self, draft, context, k: int, page_size: int):
+        self.draft, self.context = draft, context  # context(batch): the draft's StepContext
         self.k, self.page_size = k, page_size
 
     def follow_step(self, model, own, inp, token_ids, batch, aux, sampled):
-        _, own = self.draft(token_ids, inp.positions, own, self.attention.for_step(batch))
-        return own
+        return self.draft(token_ids, inp.positions, own, self.context(batch)).kv_cache
 
     def follow_decode(self, model, carry, current, position, batch, aux):
-        _, carry = self.draft(current, position, carry, self.attention.for_step(batch))
-        return carry
+        return self.draft(current, position, carry, self.context(batch)).kv_cache
 
     def propose(self, model, carry, inp, history, current, position, active):
-        return propose_with_draft(self.draft, self.attention, carry, current, position,
+        return propose_with_draft(self.draft, self.context, carry, current, position,
                                   active, inp.page_indices, inp.num_seqs, self.k,
                                   self.page_size)
 
@@ -179,15 +177,16 @@ class Eagle3Drafter(Drafter):
         return pool, own[1].stored(pending)
 
 
-def make_drafter(spec, max_model_len: int, page_size: int, draft=None, attention=None
-                 ) -> Drafter:
+def make_drafter(spec, max_model_len: int, page_size: int, draft=None, attention=None,
+                 context=None) -> Drafter:
     """The drafter for `spec` (a `SpeculativeConfig`, or None: plain decoding): `draft` is
-    the draft model or EAGLE head (merged in the trace) with its attention backend."""
+    the draft model or EAGLE head (merged in the trace) with its attention backend, and
+    `context(batch)` the `StepContext` of a draft model's forward."""
     if spec is None:
         return Drafter()
     k = spec.num_speculative_tokens
     if isinstance(draft, eagle3.Eagle3Head):
         return Eagle3Drafter(draft, attention, k, page_size)
     if draft is not None:
-        return DraftModelDrafter(draft, attention, k, page_size)
+        return DraftModelDrafter(draft, context, k, page_size)
     return NgramDrafter(spec, max_model_len)

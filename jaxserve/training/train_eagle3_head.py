@@ -40,6 +40,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jaxserve.attention.dense import DenseAttention
+from jaxserve.model.contract import StepContext
 from jaxserve.speculative.eagle3 import Eagle3Config, Eagle3Head
 from jaxserve.training.draft_chains import ChainAttention
 
@@ -101,9 +102,9 @@ def target_states(model, tokens: np.ndarray, aux_layers, batch: int = 32):
     @jax.jit
     def run(chunk):
         positions = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
-        final, _, aux = model(chunk, positions, [None] * model.config.num_layers,
-                              DenseAttention(positions), aux_layers=tuple(aux_layers))
-        return jnp.argmax(model.logits(final), axis=-1).astype(jnp.int32), aux
+        out = model(chunk, positions, [None] * model.config.num_layers,
+                    StepContext(DenseAttention(positions)), aux_layers=tuple(aux_layers))
+        return jnp.argmax(model.logits(out.hidden), axis=-1).astype(jnp.int32), out.aux
 
     labels, states = [], []
     for i in range(0, len(tokens), batch):
