@@ -49,7 +49,7 @@ from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
 from jaxserve.model.config import with_expert_parallel, with_quantization
 from jaxserve.engine import cache_audit
 from jaxserve.engine.cache_audit import PagePools
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.memory_budget import MemoryBudget

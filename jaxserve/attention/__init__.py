@@ -14,7 +14,7 @@ The runner builds a backend's `PagedAttention` for each traced step and each dec
 `attention(layer_index, q, k, v, layer_cache) -> (out, layer_cache)`. `backend.py` holds the
 interface and what every backend shares (stacked-layer page offsets, the `shard_map` over
 heads). `dense.py` is the attention of the dense reference
-generator (`jaxserve.model.dense_generation`), with a contiguous cache and no pages.
+generator (`jaxserve.reference.dense_generation`), with a contiguous cache and no pages.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jaxserve.attention.backend import AttentionBackend, PagedAttention, PagedBa
 from jaxserve.attention.cpu import CpuBackend
 from jaxserve.attention.pallas import PallasBackend
 from jaxserve.attention.reference import ReferenceBackend
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.window_pages import WindowLayout
 from jaxserve.model.config import ModelConfig
 

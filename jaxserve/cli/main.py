@@ -54,7 +54,7 @@ def resolve_model_settings(args: argparse.Namespace) -> tuple[str, str | None, d
 
 def flag_options(args: argparse.Namespace) -> dict:
     """The engine options the user gave as flags (they override the preset's)."""
-    from jaxserve.engine.config import option_specs
+    from jaxserve.config.engine import option_specs
 
     options = {spec.name: getattr(args, spec.name) for spec in option_specs()
                if getattr(args, spec.name) is not None}

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import PENDING

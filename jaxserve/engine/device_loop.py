@@ -9,7 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine.sampler import SampleResult
+from jaxserve.sampling.sampler import SampleResult
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 

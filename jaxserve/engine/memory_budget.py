@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import sharding
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.memory_figures import program_temporaries
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes

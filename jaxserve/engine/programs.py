@@ -24,10 +24,10 @@ from flax import nnx
 
 from jaxserve.attention import PagedBatch
 from jaxserve.engine.batcher import StepInput
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.device_loop import empty_samples, loop_until_done
 from jaxserve.engine.packing import Layout, unpack
-from jaxserve.engine.sampler import TokenCounts, sample_with_logprobs, target_logprobs
+from jaxserve.sampling.sampler import TokenCounts, sample_with_logprobs, target_logprobs
 from jaxserve.engine.speculative_rounds import speculative_rounds
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.contract import ExpertMixture, StepContext

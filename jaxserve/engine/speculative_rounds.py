@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.batcher import StepInput
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.device_loop import empty_samples, loop_until_done
-from jaxserve.engine.sampler import TokenCounts, penalized_rows, sample_with_logprobs
+from jaxserve.sampling.sampler import TokenCounts, penalized_rows, sample_with_logprobs
 from jaxserve.speculative import ngram
 from jaxserve.speculative.drafters import Drafter
 from jaxserve.speculative.windows import RaggedWindow

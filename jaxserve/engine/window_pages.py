@@ -35,7 +35,7 @@ import dataclasses
 
 from typing import TYPE_CHECKING
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import Sequence
 

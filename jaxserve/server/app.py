@@ -41,7 +41,7 @@ from jaxserve.fleet.routing import Route, UnknownModelError
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.lora.slots import Adapter
 from jaxserve.server import handlers
-from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
+from jaxserve.engine.async_engine import EngineDeadError, QueueFullError, RetiredError
 from jaxserve.server.auth import (AuthError, admin_key_dependency, api_key_dependency,
                                   check_api_key)
 from jaxserve.server.generation_defaults import with_defaults

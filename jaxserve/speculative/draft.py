@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.attention import PagedBatch
-from jaxserve.engine.sampler import greedy
+from jaxserve.sampling.sampler import greedy
 from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model import LlamaModel

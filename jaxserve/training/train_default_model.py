@@ -39,7 +39,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeConfig
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention
+from jaxserve.reference.dense_attention import DenseAttention
 from jaxserve.model.contract import StepContext
 from jaxserve.training.corpus import DEFAULT_PACKAGE_DIR, paragraphs, read_novels
 from jaxserve.training.export import save_hf_folder

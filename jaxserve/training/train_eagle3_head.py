@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxserve.attention.dense import DenseAttention
+from jaxserve.reference.dense_attention import DenseAttention
 from jaxserve.model.contract import StepContext
 from jaxserve.speculative.eagle3 import Eagle3Config, Eagle3Head
 from jaxserve.training.draft_chains import ChainAttention

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.engine.batcher import (MAX_DEVICE_STOP_IDS, SamplingArrays, bucket_for,
                                      build_step_input)
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams

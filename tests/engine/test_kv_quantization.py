@@ -20,7 +20,7 @@ from jaxserve.engine.kv_cache import page_bytes
 from jaxserve.loading.weights import load_weights
 from jaxserve.model.config import load_config
 from jaxserve.model.contract import StepContext
-from jaxserve.model.dense_generation import DenseGenerator
+from jaxserve.reference.dense_generation import DenseGenerator
 from sweeps import sweep
 from tiny_models import SMALL_ENGINE
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import sharding
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.memory_budget import (MemoryBudget, abstract_module, largest_buckets,
                                            pages_after_compiling, program_temporaries)

@@ -5,7 +5,7 @@ hand-counted cases (no jax programs)."""
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler

@@ -21,7 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.model.config import ModelConfig, load_config
 from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention, empty_dense_cache
+from jaxserve.reference.dense_attention import DenseAttention, empty_dense_cache
 from jaxserve.model.contract import StepContext
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.training.export import save_hf_folder

@@ -18,7 +18,7 @@ from jaxserve.fleet.fleet import ReloadError
 from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server import auth, state as state_module
 from jaxserve.server.app import create_app
-from jaxserve.server.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
 from jaxserve.server.state import ServerOptions, ServerState
 

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention, empty_dense_cache
+from jaxserve.reference.dense_attention import DenseAttention, empty_dense_cache
 from jaxserve.model.contract import StepContext
-from jaxserve.engine.sampler import sample
+from jaxserve.sampling.sampler import sample
 from pallas_kernels import kv_quant
 
 MIN_PROMPT_BUCKET = 16
@@ -36,7 +36,7 @@ class DenseGenerator:
     def __init__(self, model: LlamaModel, kv_cache_dtype: str = "auto",
                  head_scales: jax.Array | None = None):
         """`kv_cache_dtype`: keys and values read back as that KV cache holds them, fp8 with
-        `head_scales` `[L, 2, Hkv]` (`jaxserve.attention.dense`)."""
+        `head_scales` `[L, 2, Hkv]` (`jaxserve.reference.dense_attention`)."""
         self.config = model.config
         self.kv_cache_dtype = kv_cache_dtype
         self.head_scales = head_scales
