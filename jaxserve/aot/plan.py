@@ -53,7 +53,8 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.memory_budget import MemoryBudget
-from jaxserve.engine.window_pages import WindowLayout, window_layout
+from jaxserve.config.window import WindowLayout
+from jaxserve.engine.window_pages import window_layout
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
 from jaxserve.model.config import resolve_dtype

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 import sharding
 from jaxserve.config.engine import EngineConfig
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.window import WindowLayout
 from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import (has_head_scales, has_scales, page_shape, scale_pool_shape,
                                      scale_stride, tokens_per_row)

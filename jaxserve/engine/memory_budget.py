@@ -43,7 +43,7 @@ from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.memory_figures import program_temporaries
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.window import WindowLayout
 
 MARGIN_FRACTION = 0.02  # of the device's limit
 GIB = 2**30

@@ -61,7 +61,8 @@ import sharding
 
 from jaxserve.attention import make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
-from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
+from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, StepInput
+from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
@@ -72,7 +73,7 @@ from jaxserve.engine.programs import DraftParts, Programs
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.window import WindowLayout
 from jaxserve.sampling.sampler import SampleResult, TargetLogprobs
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.stacks import slot_stacks, write_slot

@@ -1,1 +1,2 @@
-"""The on-device sampler (`sampler`), below the engine and speculation, which both sample."""
+"""Sampling below the engine and speculation, which both sample: each row's settings as
+arrays (`arrays`, plain numpy) and the on-device sampler (`sampler`)."""

@@ -9,7 +9,7 @@ from jaxserve.reference.dense_generation import DenseGenerator
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_allocator import page_key
 from jaxserve.config.engine import EngineConfig
-from jaxserve.sampling.sampler import SamplingArrays
+from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights

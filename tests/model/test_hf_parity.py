@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling.sampler import SamplingArrays
+from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.reference.dense_generation import DenseGenerator
 from sweeps import sweep
 from tiny_models import ARCHITECTURES, SMALL_ENGINE, build_model
