@@ -354,15 +354,23 @@ def _presets_table() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `jaxserve` parser: one sub-command each, its handler in `handler`."""
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference runtime in JAX/XLA for TPUs and GPUs.")
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_add_serve, _add_generate, _add_convert, _add_plan, _add_bench):
+        add_command(commands)
+    return parser
 
+
+def _add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+
+def _add_generate(commands) -> None:
     generate = commands.add_parser("generate", help="stream a completion of one prompt")
     generate.add_argument("prompt", help="the prompt text")
     add_model_options(generate)
@@ -374,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="wrap the prompt as a user message in the chat template")
     generate.set_defaults(handler=_generate)
 
+
+def _add_convert(commands) -> None:
     convert = commands.add_parser("convert", help="write an orbax checkpoint of an HF folder")
     convert.add_argument("--model", required=True, help="Hugging Face model folder")
     convert.add_argument("--out", required=True, help="checkpoint folder to create")
@@ -384,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "scales): restores skip quantizing on every start")
     convert.set_defaults(handler=_convert)
 
+
+def _add_plan(commands) -> None:
     plan = commands.add_parser(
         "plan", help="compile a preset's programs for its TPU/GPU without the hardware; "
                      "report memory per device and whether it fits (exit 0 fits, 1 not)")
@@ -405,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also the Triton kernels' registers, spills and shared memory (GPU)")
     plan.set_defaults(handler=_plan)
 
+
+def _add_bench(commands) -> None:
+    """`bench KIND`: each kind's module adds its arguments and runs it."""
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     from jaxserve.bench import (device_bench, load_bench, lora_bench, lora_products,
@@ -441,7 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
         bench_kind = bench_kinds.add_parser(kind, help=help_text)
         module.add_arguments(bench_kind)
         bench_kind.set_defaults(handler=module.run_from_args)
-    return parser
 
 
 def _print_stacks_on_native_crash() -> None:
