@@ -5,8 +5,9 @@ qwen3, its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`), and
 Gemma 3 (text) with what they change (`GemmaStyle`). Layers may differ in their attention:
 `layer_types` (transformers' per-layer "sliding_attention" / "full_attention") says which
 layers see only the last `sliding_window` tokens, and Gemma 3's sliding layers have a rope of
-their own (`local_rope`). Rope
-settings are read both from the top level (transformers 4.x: `rope_theta`, `rope_scaling`)
+their own (`local_rope`). What each `model_type` changes is a row of
+`jaxserve.model.families.FAMILIES`, read here and by the weight loader. Rope settings are read
+both from the top level (transformers 4.x: `rope_theta`, `rope_scaling`)
 and from `rope_parameters` (transformers 5.x). Anything this runtime cannot run faithfully is
 a `ValueError` naming the setting: a silently wrong model is worse than none.
 """
@@ -22,14 +23,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxserve.model.families import FAMILIES, Family
+
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe",
-                         "gemma2", "gemma3_text", "gpt_oss")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # what each changes: `jaxserve.model.families`
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -353,9 +353,10 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Translate a parsed Hugging Face `config.json` into a `ModelConfig`."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    family = FAMILIES[model_type]
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r}; supported: {list(ACTIVATIONS)}")
@@ -368,13 +369,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     attention_bias = bool(hf.get("attention_bias", False))
     # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
-    qkv_bias = True if model_type == "qwen2" else attention_bias
-    o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe",
-                                              "gpt_oss") else False
-    moe, dense_layers = _read_moe(hf) if model_type in MOE_MODEL_TYPES else (None, ())
-    sliding_window, layer_types = _read_layer_types(hf, model_type)
-    gemma = model_type in GEMMA_MODEL_TYPES
-    rope, local_rope = _read_ropes(hf, model_type)
+    qkv_bias = True if family.qkv_bias_always else attention_bias
+    o_bias = attention_bias if family.o_bias else False
+    moe, dense_layers = (None, ()) if family.moe is None else _read_moe(hf, family)
+    sliding_window, layer_types = _read_layer_types(hf, family)
+    gemma = family.gemma
+    rope, local_rope = _read_ropes(hf, family)
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
@@ -391,16 +391,16 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-                 or bool(hf.get("use_qk_norm"))),
-        attention_sinks=model_type == "gpt_oss",
+        qk_norm=family.qk_norm or bool(hf.get("use_qk_norm")),
+        attention_sinks=family.attention_sinks,
         sliding_window=sliding_window,
         layer_types=layer_types,
         local_rope=local_rope,
         hidden_act=ACTIVATIONS[act],
         gemma=GemmaStyle(float(hf.get("query_pre_attn_scalar") or head_dim),
                          # transformers' Gemma 3 keeps this field but never caps its scores
-                         hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+                         hf.get("attn_logit_softcapping") if family.caps_attention_scores
+                         else None,
                          hf.get("final_logit_softcapping")) if gemma else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
@@ -411,32 +411,19 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _read_layer_types(hf: dict[str, Any], model_type: str
+def _read_layer_types(hf: dict[str, Any], family: Family
                       ) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding_window, layer_types): `layer_types` as transformers 5 writes it, else each
-    family's rule (Mistral: every layer; Gemma 2, gpt-oss: every other one from the first;
-    Gemma 3:
-    all but every `sliding_window_pattern`-th; Qwen: with `use_sliding_window`, the layers
-    from `max_window_layers` on). `()` when the layers are alike (no window, or all slide)."""
+    """(sliding_window, layer_types): `layer_types` as transformers 5 writes it, else the
+    family's rule (`Family.sliding_layers`; none slide without one). `()` when the layers are
+    alike (no window, or all slide)."""
     window = hf.get("sliding_window")
     num_layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None and window is None:  # no family slides without a window
         return None, ()
     if types is None:
-        if model_type in ("mistral", "mixtral"):
-            sliding = [True] * num_layers
-        elif model_type in ("gemma2", "gpt_oss"):
-            sliding = [i % 2 == 0 for i in range(num_layers)]
-        elif model_type == "gemma3_text":
-            pattern = int(hf.get("sliding_window_pattern") or 6)
-            sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
-            first = hf.get("max_window_layers", num_layers)
-            sliding = [bool(hf.get("use_sliding_window")) and i >= first
-                       for i in range(num_layers)]
-        else:
-            sliding = [False] * num_layers
+        sliding = ([False] * num_layers if family.sliding_layers is None
+                   else family.sliding_layers(hf))
         types = ["sliding_attention" if s else "full_attention" for s in sliding]
     types = tuple(types)
     if len(types) != num_layers or set(types) - set(LAYER_TYPES):
@@ -450,10 +437,11 @@ def _read_layer_types(hf: dict[str, Any], model_type: str
     return window, () if set(types) == {"sliding_attention"} else types
 
 
-def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig | None]:
+def _read_ropes(hf: dict[str, Any], family: Family) -> tuple[RopeConfig, RopeConfig | None]:
     """(rope, local_rope): Gemma 3's sliding layers have their own rope, in transformers 5
-    as `rope_parameters[layer type]`, in 4.x as `rope_local_base_freq` (the global rope's
-    `rope_scaling` applies to the full-attention layers only)."""
+    as `rope_parameters[layer type]`, in 4.x as `rope_local_base_freq`
+    (`Family.local_rope_theta`; the global rope's `rope_scaling` applies to the
+    full-attention layers only)."""
     params = hf.get("rope_parameters") or {}
     if set(params) & set(LAYER_TYPES):
         missing = sorted(set(LAYER_TYPES) - set(params))
@@ -461,39 +449,16 @@ def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeCo
             raise ValueError(f"rope_parameters is per layer type but lacks {missing}")
         return tuple(_read_rope({**hf, "rope_parameters": params[kind]})
                      for kind in ("full_attention", "sliding_attention"))
-    if model_type == "gemma3_text":
-        local = float(hf.get("rope_local_base_freq") or 10000.0)
-        return _read_rope(hf), RopeConfig(theta=local)
+    if family.local_rope_theta is not None:
+        return _read_rope(hf), RopeConfig(theta=family.local_rope_theta(hf))
     return _read_rope(hf), None
 
 
-def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
-    """The experts of a qwen3_moe, mixtral, glm4_moe or gpt_oss config, and the layers that
-    keep a dense MLP: Qwen3-MoE's `mlp_only_layers` and those `decoder_sparse_step` skips,
-    GLM's first `first_k_dense_replace`. gpt-oss's router takes the softmax of its top k
-    logits, which is the renormalized top k of the softmax."""
-    model_type, layers = hf.get("model_type"), range(hf["num_hidden_layers"])
-    if model_type == "qwen3_moe":
-        step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-        dense = tuple(i for i in layers if i in dense_only or (i + 1) % step)
-        return MoEConfig(hf.get("num_experts") or hf.get("num_local_experts"),
-                         hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
-                         bool(hf.get("norm_topk_prob"))), dense
-    if model_type == "glm4_moe":
-        dense = tuple(i for i in layers if i < hf.get("first_k_dense_replace", 0))
-        return MoEConfig(
-            hf.get("n_routed_experts") or hf.get("num_local_experts"),
-            hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
-            bool(hf.get("norm_topk_prob", True)), "sigmoid", hf.get("n_group") or 1,
-            hf.get("topk_group") or 1, float(hf.get("routed_scaling_factor", 1.0)),
-            int(hf.get("n_shared_experts") or 0)), dense
-    if model_type == "gpt_oss":
-        return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
-                         hf.get("intermediate_size"), biases=True, activation="clamped_swiglu",
-                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(hf.get("swiglu_limit", 7.0))), ()
-    return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
-                     hf.get("intermediate_size")), ()
+def _read_moe(hf: dict[str, Any], family: Family) -> tuple[MoEConfig, tuple[int, ...]]:
+    """The experts of a mixture-of-experts family (`Family.moe`), and the layers that keep a
+    dense MLP."""
+    fields, dense = family.moe(hf)
+    return MoEConfig(**fields), dense
 
 
 def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
@@ -506,7 +471,8 @@ def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
     quantized in this format. gpt-oss's MXFP4 experts load dequantized (None here:
     `jaxserve.loading.mxfp4`). Anything else is a `ValueError` naming the field."""
     qc = hf.get("quantization_config")
-    if not qc or (qc.get("quant_method") == "mxfp4" and hf.get("model_type") == "gpt_oss"):
+    fused_experts = FAMILIES.get(hf.get("model_type"), Family()).fused_experts
+    if not qc or (qc.get("quant_method") == "mxfp4" and fused_experts):
         return None
     field = "quantization_config"
     if qc.get("quant_method") != "compressed-tensors":
