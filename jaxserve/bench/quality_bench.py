@@ -85,7 +85,8 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
 
     from jaxserve.loading.tokenizer import Tokenizer
     from jaxserve.loading.weights import load_weights
-    from jaxserve.model.config import load_config, with_quantization
+    from jaxserve.model.config import with_quantization
+    from jaxserve.model.hf_config import load_config
     from jaxserve.engine.kv_cache import page_bytes
     from jaxserve.reference.dense_generation import DenseGenerator
     from pallas_kernels.kv_quant import page_dtype

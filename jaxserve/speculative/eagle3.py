@@ -41,7 +41,8 @@ import sharding
 
 from jaxserve.attention import PagedBatch
 from jaxserve.loading.hub import resolve_model
-from jaxserve.model.config import ModelConfig, config_from_hf
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.hf_config import config_from_hf
 from jaxserve.model.llama import MLP, Attention, norm, random_param
 from jaxserve.model.quantization import embedding_rows
 from jaxserve.speculative.windows import page_slots

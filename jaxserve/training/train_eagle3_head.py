@@ -116,7 +116,7 @@ def target_states(model, tokens: np.ndarray, aux_layers, batch: int = 32):
 
 def head_config(target, args, aux_layers) -> tuple[dict, Eagle3Config]:
     """The head's config.json and `Eagle3Config`: the target's attention shape, one layer."""
-    from jaxserve.model.config import config_from_hf
+    from jaxserve.model.hf_config import config_from_hf
 
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
           "hidden_size": target.hidden_size, "intermediate_size": args.intermediate_size,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.engine.engine import engine_mesh
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.runner import Runner

@@ -13,7 +13,7 @@ from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from tiny_models import LADDERS, SMALL_ENGINE, build_model
 
 EOS = 1

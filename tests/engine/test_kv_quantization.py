@@ -18,7 +18,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_cache import page_bytes
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.model.contract import StepContext
 from jaxserve.reference.dense_generation import DenseGenerator
 from sweeps import sweep

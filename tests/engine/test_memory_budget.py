@@ -15,7 +15,7 @@ from jaxserve.engine.memory_budget import (MemoryBudget, abstract_module, larges
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights, shard_model
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from tiny_models import SMALL_ENGINE
 
 GIB = 2**30

@@ -18,7 +18,8 @@ import transformers
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.config import ModelConfig, load_config
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.hf_config import load_config
 from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.model import LlamaModel
 from jaxserve.reference.dense_attention import DenseAttention, empty_dense_cache

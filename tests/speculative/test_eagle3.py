@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.reference.dense_attention import DenseAttention
-from jaxserve.model.config import config_from_hf
+from jaxserve.model.hf_config import config_from_hf
 from tiny_models import SMALL_ENGINE, VOCAB
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, DRAFT_VOCAB = 64, 4, 2, 16, 96, 200
