@@ -85,9 +85,11 @@ class Programs:
     def _context(self, batch: PagedBatch, attention=None, lora: LoRABatch | None = None
                  ) -> StepContext:
         """What a forward over `batch` gives the model: `attention`'s (default: the
-        target's) for the batch, the experts, the batch's real tokens, `lora`."""
+        target's) for the batch, the experts, the batch's real tokens (mixture-of-experts
+        models, which count the expert load), `lora`."""
         attention = self.attention if attention is None else attention
-        return StepContext(attention.for_step(batch), self.experts, batch.real_tokens, lora)
+        real_tokens = batch.real_tokens if self.counts_experts else None  # [T] bool
+        return StepContext(attention.for_step(batch), self.experts, real_tokens, lora)
 
     def _drafter(self, state_leaves) -> Drafter:
         """The drafter of `speculative_config`, its model merged from the flat weights."""
@@ -165,6 +167,9 @@ class Programs:
         row = jnp.arange(rows)
         valid = row < inp.num_seqs[0]  # [S]
         cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
+        out = empty_samples(rows, self.config.num_decode_steps)  # [S, K] per field
+        count = jnp.zeros((rows,), jnp.int32)
+        done = ~valid | (inp.max_new <= 0)
         vocab = self.model_config.vocab_size
         counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
         lora = self._lora(state_leaves, inp.lora_slots)  # a token a row
@@ -201,11 +206,10 @@ class Programs:
             return stopped, (out, count, current, position, counts, caches, drafted, load)
 
         current = self._token_ids(inp, last_tokens)
-        carry = (empty_samples(rows, self.config.num_decode_steps),
-                 jnp.zeros((rows,), jnp.int32), current, inp.positions, counts, caches,
+        carry = (out, count, current, inp.positions, counts, caches,
                  drafter.decode_begin(own, inp, current[:rows]), self.no_load())
         out, count, current, _, _, caches, drafted, load = loop_until_done(
-            num_steps, body, ~valid | (inp.max_new <= 0), carry)
+            num_steps, body, done, carry)
         own = drafter.decode_end(drafted, own, current)
         return (out, count, *self._loads(load), drafter.join(caches, own),
                 self._padded(current))
