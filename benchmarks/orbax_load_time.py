@@ -16,7 +16,7 @@ import transformers
 
 import sharding
 from jaxserve.loading.checkpoint import convert, restore
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.loading.weights import load_weights
 
 def timed(fn):

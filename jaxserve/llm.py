@@ -33,7 +33,7 @@ from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
                                    with_expert_parallel, with_quantization)
 from jaxserve.engine.engine import Engine, engine_mesh
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.presets import engine_settings

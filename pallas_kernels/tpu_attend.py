@@ -22,12 +22,17 @@ values the reference dequantizes to (`kv_quant.dequantize`).
 (`softmax.normalize`) read as float32 scalars from SMEM. A kv head's block rows are its G
 query heads token after token (row r: head r % G), and Mosaic cannot turn a `[G]` lane
 vector into that sublane column, so each head's column is assembled from the G scalars
-(G selects of an `[R, 1]` column, once per grid step)."""
+(G selects of an `[R, 1]` column, once per grid step).
+
+`grid_spec` is the grid both kernels run and the scratch they keep: the page table and the
+pools stay in HBM and are copied by hand (`tpu_copies`)."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import softmax
+from pallas_kernels import softmax, tpu_copies
 from pallas_kernels.reference import MASK_VALUE
 
 
@@ -98,3 +103,42 @@ def finish(o_ref, m_ref, l_ref, acc_ref, sink_ref=None):
         for g in range(1, group):
             sink = jnp.where(head == g, sink_ref[h * group + g], sink)
         o_ref[h] = softmax.normalize(acc_ref[h], m_ref[h], l_ref[h], sink).astype(o_ref.dtype)
+
+
+def block_pages(k_pages, k_scales, page_size: int, pages_per_seq: int, buffer_bytes: int
+                ) -> int:
+    """The pages a copied K/V block holds by default (`tpu_copies.pages_per_block`) for pools
+    like `k_pages` (with `k_scales [N, Hkv * S]` for int8 pages, else None)."""
+    return tpu_copies.pages_per_block(*k_pages.shape[1:], page_size, k_pages.dtype.itemsize,
+                                      pages_per_seq, buffer_bytes,
+                                      0 if k_scales is None else k_scales.shape[1])
+
+
+def grid_spec(q_spec, pools, sink_in, num_scalar_prefetch: int, steps: int, cores: int,
+              pages_per_block: int, pages_per_seq: int, state_words: int, acc_shape
+              ) -> pltpu.PrefetchScalarGridSpec:
+    """The grid `(cores, steps)` of both TPU kernels: after `num_scalar_prefetch` scalar
+    arrays, q's blocks (`q_spec`, also the output's), the sinks whole in SMEM (`sink_in`:
+    () or one array), then the page table and the `pools` (K, V and for int8 their scales)
+    left in HBM. Scratch: two slots of `pages_per_block` pages of each pool and their DMA
+    semaphores `[pools, 2]`, two page-table rows `[2, pages_per_seq]` in SMEM and their
+    semaphores, `state_words` int32 of the kernel's state, then the online softmax's running
+    max and sum `acc_shape[:-1] + (1,)` and weighted sum `acc_shape`, float32."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
+               for pool in pools]  # [2, pages_per_block, ...] each
+    column = tuple(acc_shape[:-1]) + (1,)
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=num_scalar_prefetch,
+        grid=(cores, steps),
+        in_specs=([q_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
+                  + [any_spec] * (1 + len(pools))),
+        out_specs=q_spec,
+        scratch_shapes=[
+            *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
+            pltpu.SMEM((2, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((state_words,), jnp.int32),
+            pltpu.VMEM(column, jnp.float32), pltpu.VMEM(column, jnp.float32),
+            pltpu.VMEM(tuple(acc_shape), jnp.float32),
+        ],
+    )

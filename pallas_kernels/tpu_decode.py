@@ -206,10 +206,8 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
     page_size = page_size or k_pages.shape[1]
     pages_per_seq = page_indices.shape[1]
     if pages_per_block is None:
-        pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
-                                                     k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES,
-                                                     0 if k_scales is None else k_scales.shape[1])
+        pages_per_block = tpu_attend.block_pages(k_pages, k_scales, page_size, pages_per_seq,
+                                                 KV_BUFFER_BYTES)
     steps = pl.cdiv(batch, NUM_CORES)
     pad = steps * NUM_CORES - batch  # padding sequences: no keys, no pages
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))  # [B', Hkv, G, D]
@@ -219,27 +217,12 @@ def attention(q, k_pages, v_pages, page_indices, key_lo, key_hi, k_scales=None,
         return (core * steps + step, 0, 0, 0)
 
     q_spec = pl.BlockSpec((None, num_kv_heads, group, head_dim), q_map)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sink_in = () if sinks is None else (sinks.astype(jnp.float32),)  # [Hq], whole in SMEM
     # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
-    buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
-               for pool in pools]  # [2, pages_per_block, ...] each
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(NUM_CORES, steps),
-        in_specs=([q_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
-                  + [any_spec] * (1 + len(pools))),
-        out_specs=q_spec,
-        scratch_shapes=[
-            *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
-            pltpu.SMEM((2, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SMEM((2,), jnp.int32),
-            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
-            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
-            pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32),
-        ],
-    )
+    grid_spec = tpu_attend.grid_spec(q_spec, pools, sink_in, 2, steps, NUM_CORES,
+                                     pages_per_block, pages_per_seq, 2,
+                                     (num_kv_heads, group, head_dim))
     kernel = functools.partial(
         _kernel, batch=batch, page_size=page_size, pages_per_block=pages_per_block,
         num_pools=len(pools), sm_scale=sm_scale, soft_cap=soft_cap, with_sinks=bool(sink_in))

@@ -191,10 +191,8 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     pages_per_seq = page_indices.shape[1]
     q_block = q_block or DEFAULT_Q_BLOCK
     if pages_per_block is None:
-        pages_per_block = tpu_copies.pages_per_block(*k_pages.shape[1:], page_size,
-                                                     k_pages.dtype.itemsize, pages_per_seq,
-                                                     KV_BUFFER_BYTES,
-                                                     0 if k_scales is None else k_scales.shape[1])
+        pages_per_block = tpu_attend.block_pages(k_pages, k_scales, page_size, pages_per_seq,
+                                                 KV_BUFFER_BYTES)
     steps = pl.cdiv(pl.cdiv(num_tokens, q_block), NUM_CORES)
     num_tiles = steps * NUM_CORES  # each core walks its `steps` tiles in order
     padded = num_tiles * q_block
@@ -205,27 +203,12 @@ def attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, chunk_len, 
     seq_lo, seq_hi = batch_rows.tile_sequences(cu_q_lens, chunk_len, num_tiles, q_block)
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim),
                           lambda core, step, *_: (0, core * steps + step, 0))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sink_in = () if sinks is None else (sinks.astype(jnp.float32),)  # [Hq], whole in SMEM
     # K, V, then (int8) their scale pools [N, Hkv * S].
     pools = (k_pages, v_pages) + (() if k_scales is None else (k_scales, v_scales))
-    buffers = [pltpu.VMEM((2, pages_per_block) + pool.shape[1:], pool.dtype)
-               for pool in pools]  # [2, pages_per_block, ...] each
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
-        grid=(NUM_CORES, steps),
-        in_specs=([q_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
-                  + [any_spec] * (1 + len(pools))),
-        out_specs=q_spec,
-        scratch_shapes=[
-            *buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
-            pltpu.SMEM((2, pages_per_seq), jnp.int32), pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SMEM((3,), jnp.int32),
-            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
-        ],
-    )
+    grid_spec = tpu_attend.grid_spec(q_spec, pools, sink_in, 5, steps, NUM_CORES,
+                                     pages_per_block, pages_per_seq, 3,
+                                     (num_kv_heads, rows, head_dim))
     kernel = functools.partial(
         _kernel, q_block=q_block, group=group, page_size=page_size,
         pages_per_block=pages_per_block, num_pools=len(pools), sm_scale=sm_scale,

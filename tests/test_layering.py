@@ -4,9 +4,14 @@
 - the plain-Python core (scheduler, page allocator, sequence, batcher, request and sampling
   parameters, engine options, the chat reply parsers) and `jaxserve --help` start no jax,
   flax or torch;
-- `pallas_kernels` and `sharding` import neither `jaxserve` nor each other.
+- `pallas_kernels` and `sharding` import neither `jaxserve` nor each other;
+- jaxserve's packages (and top-level modules) import only from layers below their own
+  (`PACKAGE_ORDER`, read from the source: every import statement counts, those inside
+  functions and `TYPE_CHECKING` blocks too), so the import graph has no upward arrows and no
+  loops between packages.
 """
 
+import ast
 import json
 import pkgutil
 import subprocess
@@ -21,9 +26,68 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "jaxlib", "flax", "torch")
 PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",
               "jaxserve.engine.window_pages",
-              "jaxserve.engine.sequence", "jaxserve.engine.batcher", "jaxserve.engine.config",
+              "jaxserve.engine.sequence", "jaxserve.engine.batcher", "jaxserve.config.engine",
+              "jaxserve.config.speculative", "jaxserve.config.window", "jaxserve.sampling.arrays",
               "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.errors",
               "jaxserve.tool_calling", "jaxserve.lora.slots", "jaxserve.lora.request"]
+
+
+# jaxserve's packages and top-level modules, bottom layer first; a package may import its
+# own modules and those of the layers below it, never one beside or above it.
+PACKAGE_ORDER = [
+    {"errors", "platforms", "default_model"},
+    {"structured_output"},
+    {"sampling_params", "tool_calling"},
+    {"outputs", "config"},  # config: engine and speculative options, the window layout
+    {"model", "sampling"},  # sampling: the on-device sampler
+    {"loading"},
+    {"lora"},
+    {"attention"},
+    {"speculative"},
+    {"engine"},  # with the async engine and the Prometheus metrics
+    {"presets"},
+    {"llm"},
+    {"fleet"},
+    {"server"},
+    {"aot", "reference"},  # reference: the eager dense generator and dense attention
+    {"training"},
+    {"bench"},
+    {"cli"},
+    {"__init__"},  # `jaxserve` itself: the public API
+]
+
+
+def import_arrows() -> list[tuple[str, str, str]]:
+    """(importing package, imported package, file) for every import between two of
+    jaxserve's packages or top-level modules."""
+    root = ROOT / "jaxserve"
+    arrows = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        source = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            targets = {name.split(".")[1] for name in names
+                       if name.startswith("jaxserve.") and len(name.split(".")) > 1}
+            arrows += [(source, target, str(relative)) for target in targets
+                       if target != source and ((root / target).is_dir()
+                                                or (root / f"{target}.py").is_file())]
+    return arrows
+
+
+def test_packages_import_only_the_layers_below():
+    layer = {name: rank for rank, names in enumerate(PACKAGE_ORDER) for name in names}
+    arrows = import_arrows()
+    unplaced = {name for arrow in arrows for name in arrow[:2]} - set(layer)
+    assert not unplaced, f"packages missing from PACKAGE_ORDER: {sorted(unplaced)}"
+    upward = sorted({f"{path}: {source} -> {target}" for source, target, path in arrows
+                     if layer[target] >= layer[source]})
+    assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
 
 
 def loaded_packages(code: str) -> set[str]:

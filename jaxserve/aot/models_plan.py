@@ -41,7 +41,7 @@ from jaxserve.aot.report import format_plan
 from jaxserve.aot.targets import GIB, Target
 from jaxserve.fleet.models_file import ModelEntry, read_models_file
 from jaxserve.llm import engine_config_for
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.loading.hub import resolve_model
 from jaxserve.presets import REFERENCE_MODELS, Preset, engine_settings, load_preset
 

@@ -51,11 +51,12 @@ from jaxserve.loading.checkpoint import model_config as checkpoint_model_config
 from jaxserve.model.config import with_expert_parallel, with_quantization
 from jaxserve.engine import cache_audit, weight_layouts
 from jaxserve.engine.cache_audit import PagePools
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import scan_layers_for
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.memory_budget import MemoryBudget
-from jaxserve.engine.window_pages import WindowLayout, window_layout
+from jaxserve.config.window import WindowLayout
+from jaxserve.engine.window_pages import window_layout
 from pallas_kernels.kv_quant import page_dtype
 from jaxserve.llm import engine_config_for
 from jaxserve.model.config import resolve_dtype

@@ -13,8 +13,8 @@ The runner builds a backend's `PagedAttention` for each traced step and each dec
 (`for_step`) and passes it to the model, which calls it once per layer:
 `attention(layer_index, q, k, v, layer_cache) -> (out, layer_cache)`. `backend.py` holds the
 interface and what every backend shares (stacked-layer page offsets, the `shard_map` over
-heads). `dense.py` is the attention of the dense reference
-generator (`jaxserve.model.dense_generation`), with a contiguous cache and no pages.
+heads). The attention of the dense reference generator, with a contiguous cache and no
+pages, is `jaxserve.reference.dense_attention`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from jaxserve.attention.backend import AttentionBackend, PagedAttention, PagedBa
 from jaxserve.attention.cpu import CpuBackend
 from jaxserve.attention.pallas import PallasBackend
 from jaxserve.attention.reference import ReferenceBackend
-from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.window import WindowLayout
 from jaxserve.model.config import ModelConfig
 
 BACKENDS: dict[str, type[AttentionBackend]] = {

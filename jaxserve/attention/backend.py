@@ -22,11 +22,10 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import sharding
 from jaxserve.model.llama import StackedLayer, layer_position
-from jaxserve.model.expert_mixtures import ExpertKernels, LocalMixture, default_mixture
 from pallas_kernels import kv_quant
 
 
@@ -47,6 +46,14 @@ class PagedBatch:
     # page tables [S, P] into their own pool; None without it
     window_slot_mapping: jax.Array | None = None
     window_page_indices: jax.Array | None = None
+
+    @property
+    def real_tokens(self) -> jax.Array:
+        """`[T]` bool: the step's tokens that are not padding (what expert load counts).
+        Padding tokens have slot -1, except warm-up's, which all write page 0 but lie past
+        the real rows' tokens."""
+        real = jnp.arange(self.slot_mapping.shape[0]) < self.cu_q_lens[self.num_seqs[0]]
+        return real & (self.slot_mapping >= 0)
 
 
 def layer_window(windows: tuple[int | None, ...], layer_index) -> int | None:
@@ -96,17 +103,6 @@ class AttentionBackend:
         new layer cache)."""
         raise NotImplementedError
 
-    def expert_mixture(self, x, weights, experts, kernels: ExpertKernels,
-                       expert_parallel=False) -> jax.Array:
-        """A mixture-of-experts layer's experts (`jaxserve.model.moe.ExpertMixture`):
-        `default_mixture`, partitioned by XLA, unless a backend has better for its platform;
-        with expert parallelism on a mesh, `default_mixture` on each device's own experts
-        (`experts_per_device`)."""
-        if expert_parallel and self.mesh is not None:
-            return experts_per_device(default_mixture, self.mesh, True)(
-                x, weights, experts, kernels)
-        return default_mixture(x, weights, experts, kernels)
-
     # ---- common ---------------------------------------------------------------------------
     @property
     def distinct_windows(self) -> tuple[int | None, ...]:
@@ -148,20 +144,6 @@ class PagedAttention:
             return self._head_scaled(layer_index, q, k, v, layer_cache, sinks)
         return self._attend(layer_index, q, k, v, layer_cache, sinks)
 
-    @property
-    def real_tokens(self) -> jax.Array:
-        """`[T]` bool: the step's tokens that are not padding (what expert load counts).
-        Padding tokens have slot -1, except warm-up's, which all write page 0 but lie past
-        the real rows' tokens."""
-        batch = self.batch
-        real = jnp.arange(batch.slot_mapping.shape[0]) < batch.cu_q_lens[batch.num_seqs[0]]
-        return real & (batch.slot_mapping >= 0)
-
-    def expert_mixture(self, x, weights, experts, kernels: ExpertKernels,
-                       expert_parallel=False) -> jax.Array:
-        """The backend's experts for mixture-of-experts layers."""
-        return self.backend.expert_mixture(x, weights, experts, kernels, expert_parallel)
-
     def _attend(self, layer_index, q, k, v, layer_cache, sinks=None):
         backend = self.backend
         slots, page_indices = backend.layer_pages(layer_index, self.batch)
@@ -180,7 +162,7 @@ class PagedAttention:
         k_pages, v_pages, k_scales, v_scales = layer_cache
         stacked = isinstance(layer_index, StackedLayer)  # scales [groups, Hkv]
         group = layer_index.group if stacked else None
-        valid = self.real_tokens  # [T]
+        valid = self.batch.real_tokens  # [T]
         k_scale, v_scale = (kv_quant.calibrate(s[group] if stacked else s, x, valid)
                             for s, x in ((k_scales, k), (v_scales, v)))  # [Hkv] each
         out, (k_pages, v_pages) = kv_quant.head_scaled_attention(
@@ -190,50 +172,3 @@ class PagedAttention:
             k_scale = k_scales.at[group].set(k_scale)
             v_scale = v_scales.at[group].set(v_scale)
         return out, (k_pages, v_pages, k_scale, v_scale)
-
-
-def experts_per_device(local_mixture: LocalMixture, mesh: Mesh | None, expert_parallel: bool):
-    """An `ExpertMixture` running `local_mixture` (`jaxserve.model.expert_mixtures`) on each
-    device of `mesh`'s "model" axis, tokens and routing replicated (as tensor-parallel
-    attention leaves them):
-    - tensor-parallel experts: each device holds a slice of every expert's width (the "mlp"
-      axis, when the sharding rules split it) and computes every pair's partial output;
-    - `expert_parallel`: each device holds X / tp whole experts and computes only the pairs
-      routed to them; the others add nothing there.
-    Either way the per-token sums `[T, E]` are added over "model": one all-reduce of the
-    same size as the dense MLP's, and no all-to-all, because every device already holds
-    every token."""
-    if mesh is None:
-        return local_mixture
-
-    def on_mesh(x, weights, experts, kernels: ExpertKernels):
-        replicated = P()
-        if expert_parallel:
-            axis = sharding.LOGICAL_AXIS_RULES["expert_shards"]
-            gate_spec, down_spec = P(axis, None, None), P(axis, None, None)
-            gate_scale_spec, down_scale_spec = P(axis, None), P(axis, None)
-        else:
-            gate_spec = sharding.partition_spec(("experts", "embed", "mlp"),
-                                                kernels.gate.shape, mesh)
-            axis = gate_spec[2]
-            down_spec = P(None, axis, None)
-            gate_scale_spec, down_scale_spec = P(None, axis), P(None, None)
-        per_column = {"gate": gate_spec, "up": gate_spec, "down": down_spec,
-                      "gate_scale": gate_scale_spec, "up_scale": gate_scale_spec,
-                      "down_scale": down_scale_spec, "gate_bias": gate_scale_spec,
-                      "up_bias": gate_scale_spec}
-        specs = dataclasses.replace(kernels, **{
-            name: None if getattr(kernels, name) is None else spec
-            for name, spec in per_column.items()})
-        shards = mesh.shape[axis] if expert_parallel else 1
-        per_device = kernels.num_experts // shards
-
-        def body(x, weights, experts, kernels):
-            first = jax.lax.axis_index(axis) * per_device if expert_parallel else 0
-            out = local_mixture(x, weights, experts, kernels, first, shards)  # [T, E]
-            return out if axis is None else jax.lax.psum(out, axis)
-
-        return jax.shard_map(body, mesh=mesh, in_specs=(replicated,) * 3 + (specs,),
-                             out_specs=replicated, check_vma=False)(x, weights, experts, kernels)
-
-    return on_mesh

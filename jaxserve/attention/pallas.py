@@ -6,22 +6,17 @@ one-token rows to the decode kernel. The kernels read the pages in place, so the
 carries nothing but the cache and stacked layers need only the page offsets. Quantized
 pages (`pallas_kernels.kv_quant`) are read as stored and dequantized inside the kernels.
 The pages' rows may hold several tokens (TPU, `kv_quant.tokens_per_row`), so the write and
-the kernels are told the page size. Mixture-of-experts layers get TPU's grouped matmul
-(`expert_mixture`)."""
+the kernels are told the page size. (Mixture-of-experts layers get TPU's grouped matmul
+with this backend: `jaxserve.model.expert_placement`.)"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
-import jax
-
 import pallas_kernels
-from jaxserve.attention.backend import AttentionBackend, experts_per_device
-from jaxserve.model.expert_mixtures import mix_experts
+from jaxserve.attention.backend import AttentionBackend
 from pallas_kernels import kv_quant
-from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +38,3 @@ class PallasBackend(AttentionBackend):
                 q, k_pages, v_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
                 batch.num_seqs, **scaled)  # [T, Hq, D]
         return out, layer_cache
-
-    def expert_mixture(self, x, weights, experts, kernels, expert_parallel=False):
-        """On TPU, megablox `gmm` on each device (`pallas_kernels.grouped_matmul`); elsewhere
-        the base backend's (GPU has no grouped-matmul kernel here yet)."""
-        gmm = functools.partial(grouped_matmul, interpret=False)
-        on_tpu = experts_per_device(functools.partial(mix_experts, gmm), self.mesh,
-                                    expert_parallel)
-        return jax.lax.platform_dependent(
-            x, weights, experts, kernels, tpu=on_tpu,
-            default=functools.partial(super().expert_mixture, expert_parallel=expert_parallel))

@@ -115,7 +115,7 @@ def preset_for(device: jax.Device) -> str | None:
 def model_config(quick: bool, shape: str = MODEL_SHAPE):
     """The ModelConfig of the measured shape (read as `serve` reads a folder's config)."""
     from jaxserve.loading.checkpoint import model_config as read_config
-    from jaxserve.model.config import config_from_hf
+    from jaxserve.model.hf_config import config_from_hf
     from jaxserve.presets import reference_model_dir
 
     if quick:

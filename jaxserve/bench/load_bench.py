@@ -117,7 +117,7 @@ def checkpoint_files(hf_config: dict) -> dict[str, dict[str, tuple[int, ...]]]:
     decoder layer, the final norm and lm head in the last; names and shapes are the ones
     `jaxserve.loading.weights.hf_tensor_map` expects of this config."""
     from jaxserve.loading.weights import hf_tensor_map
-    from jaxserve.model.config import config_from_hf
+    from jaxserve.model.hf_config import config_from_hf
 
     groups: dict[str, dict[str, tuple[int, ...]]] = {"embed": {}}
     groups.update({f"layer{i}": {} for i in range(hf_config["num_hidden_layers"])})
@@ -241,7 +241,8 @@ def measure(model_dir: str, method: str | None, dtype: str = "bfloat16",
 
     import sharding
     from jaxserve.loading.weights import load_weights
-    from jaxserve.model.config import load_config, with_quantization
+    from jaxserve.model.config import with_quantization
+    from jaxserve.model.hf_config import load_config
 
     cfg = with_quantization(load_config(model_dir), method)
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # start the runtime

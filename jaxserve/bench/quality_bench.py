@@ -11,7 +11,7 @@ teacher-forced, and reports:
   (all layers, keys and values, scales included).
 
 Each variant loads the folder as `LLM(..., quantization=...)` would (quantized on load, one
-tensor at a time) and runs the dense path (`jaxserve.model.dense_generation`), which shares
+tensor at a time) and runs the dense path (`jaxserve.reference.dense_generation`), which shares
 every weight and matmul with the serving engine; its keys and values are read back as a
 paged cache of `kv_cache_dtype` would give them (the engine's own quantized reads are
 tested against the same definition in tests/engine/test_kv_quantization.py).
@@ -85,9 +85,10 @@ def run(model_dir: Path, text: str, dtype: str, tokens: int, window: int,
 
     from jaxserve.loading.tokenizer import Tokenizer
     from jaxserve.loading.weights import load_weights
-    from jaxserve.model.config import load_config, with_quantization
+    from jaxserve.model.config import with_quantization
+    from jaxserve.model.hf_config import load_config
     from jaxserve.engine.kv_cache import page_bytes
-    from jaxserve.model.dense_generation import DenseGenerator
+    from jaxserve.reference.dense_generation import DenseGenerator
     from pallas_kernels.kv_quant import page_dtype
 
     windows = text_windows(Tokenizer(model_dir), text, tokens, window)

@@ -94,7 +94,7 @@ def add_model_options(parser, engine=None, preset_required: bool = False) -> Non
     `--[no-]enable-prefix-caching`, `--token-buckets 16 32 ...`). A flag left out is None,
     so only the flags the user gives override the preset. `preset_required` (`plan`): every
     default is the preset's, not the CPU one's."""
-    from jaxserve.engine.config import option_specs
+    from jaxserve.config.engine import option_specs
     from jaxserve.presets import CPU_PRESET, load_preset
 
     cpu_options = load_preset(CPU_PRESET).engine_options

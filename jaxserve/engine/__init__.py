@@ -13,7 +13,7 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    that bucket's program, compiled at warm-up: the model
    (`jaxserve.model`) with the attention backend's per-step function
    (`jaxserve.attention`), K/V written into the donated cache (`kv_cache`), then
-   `sampler` on device. One host copy brings the sampled tokens back.
+   `jaxserve.sampling.sampler` on device. One host copy brings the sampled tokens back.
 5. A single step is booked as it is dispatched (`Scheduler.advance`: the token it will
    sample is a placeholder), so the next `step()` can schedule and dispatch the next step
    before reading this one's tokens; the device reads the placeholder tokens itself.
@@ -27,8 +27,10 @@ One request's path through this package (the server and `LLM` both enter at `Eng
    `Scheduler.stop_early`) and returns a `StreamDelta`; `metrics` records the step and every
    finished request, and `Engine.stats()` reports queue lengths and cache usage.
 
-`config.EngineConfig` holds the options; `replica` is one data-parallel replica and its step
-on device; `multihost` broadcasts each step's input from process 0 to the others. The
-scheduler, allocator, sequence and batcher are plain Python and numpy; everything that
-touches jax is in the runner, the sampler, the cache and the engine.
+`jaxserve.config.engine.EngineConfig` holds the options; `replica` is one data-parallel
+replica and its step on device; `multihost` broadcasts each step's input from process 0 to
+the others. The scheduler, allocator, sequence and batcher are plain Python and numpy;
+everything that touches jax is in the runner and its programs, the cache and the engine.
+`async_engine` runs the engine on a thread for asyncio callers (the server, the fleet),
+`prometheus` exports its metrics.
 """

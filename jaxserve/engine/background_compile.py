@@ -32,7 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 
 if TYPE_CHECKING:
     from jaxserve.engine.runner import Runner

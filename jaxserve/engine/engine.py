@@ -45,7 +45,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.engine import multihost
 from jaxserve.engine.batcher import StepInput, build_step_input
 from jaxserve.model.config import ModelConfig
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.kv_cache import choose_num_pages
 from jaxserve.engine.memory_budget import pages_after_compiling
 from pallas_kernels.kv_quant import page_dtype
@@ -60,7 +60,7 @@ from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.program_cache import warn_near_mapping_limit
 from jaxserve.engine.replica import InFlight, Replica, on_mesh
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.sampler import SampleResult, TargetLogprobs
+from jaxserve.sampling.sampler import SampleResult, TargetLogprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxserve.engine.sequence import GrammarState, Sequence, Status

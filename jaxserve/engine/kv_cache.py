@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import sharding
-from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.window import WindowLayout
 from jaxserve.model.config import ModelConfig
 from pallas_kernels.kv_quant import (has_head_scales, has_scales, page_shape, scale_pool_shape,
                                      scale_stride, tokens_per_row)

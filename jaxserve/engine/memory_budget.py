@@ -38,12 +38,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import sharding
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.executable_store import ExecutableStore
 from jaxserve.engine.memory_figures import program_temporaries
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.window import WindowLayout
 
 MARGIN_FRACTION = 0.02  # of the device's limit
 GIB = 2**30

@@ -1,8 +1,8 @@
 """Runs scheduled steps on device: one compiled program per bucket, compiled at warm-up.
 
-The programs (both take the weights' leaves, the donated KV cache, the step's `StepInput`
-packed into one int32 buffer by `packing`, the token history, the grammar bitmasks, and the
-previous step's sampled tokens):
+The programs (traced in `jaxserve.engine.programs`; all take the weights' leaves, the donated
+KV cache, the step's `StepInput` packed into one int32 buffer by `packing`, the token history,
+the grammar bitmasks, and the previous step's sampled tokens):
 - "step" (tokens T, sequences S): a forward over a flat ragged batch of prefill chunks and
   decode tokens, K/V written into the cache, one token sampled per sequence, and the
   log-probabilities of the prompt tokens that follow each position, for the requests that
@@ -13,8 +13,8 @@ previous step's sampled tokens):
   host round-trip. One token per row, never padded to a token bucket.
 - "spec" (S), with `speculative_config`: the decode loop's speculative form, each step a
   round that proposes drafts, verifies them in one forward and keeps the accepted tokens
-  (`jaxserve.speculative.rounds`); decode steps of more rows than `disable_by_batch_size`
-  run "decode".
+  (`jaxserve.engine.speculative_rounds`, the drafter behind `jaxserve.speculative.drafters`);
+  decode steps of more rows than `disable_by_batch_size` run "decode".
 
 Attention is the configured backend's (`jaxserve.attention.make_backend`, chosen once here):
 the runner hands it each step's (and each decode-loop step's) `PagedBatch` and passes what it
@@ -61,31 +61,31 @@ from tqdm.auto import tqdm
 
 import sharding
 
-from jaxserve.attention import PagedBatch, make_backend
+from jaxserve.attention import make_backend
 from jaxserve.engine.cache_audit import CacheAudit, PagePools, audit, check_programs_fit
 from jaxserve.engine.background_compile import BackgroundCompiler, rungs
-from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, SamplingArrays, StepInput
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.batcher import MAX_DEVICE_STOP_IDS, StepInput
+from jaxserve.sampling.arrays import SamplingArrays
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine import weight_layouts
 from jaxserve.engine.donation_guard import check_donated, placed_for, read_arrays
 from jaxserve.engine.kv_cache import allocate_kv_cache, cache_structure
 from jaxserve.engine.memory_figures import log_figures
 from pallas_kernels.kv_quant import page_dtype
-from jaxserve.engine.packing import Layout, pack, packed_shape, unpack
+from jaxserve.engine.packing import Layout, pack, packed_shape
+from jaxserve.engine.programs import DraftParts, Programs
 from jaxserve.engine.executable_store import ExecutableStore, program_store_key
 from jaxserve.engine.expert_load import ExpertLoad
 from jaxserve.engine.program_cache import compile_shared, forget
-from jaxserve.engine.window_pages import WindowLayout
+from jaxserve.config.window import WindowLayout
 from jaxserve.platforms import platform as platform_traits
-from jaxserve.engine.sampler import (SampleResult, TargetLogprobs, TokenCounts,
-                                     sample_with_logprobs, target_logprobs)
+from jaxserve.sampling.sampler import SampleResult, TargetLogprobs
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.stacks import slot_stacks, write_slot
 from jaxserve.model import LlamaModel
-from jaxserve.model.lora import LORA_MODULES, LoRABatch
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.model.expert_placement import expert_mixture
+from jaxserve.model.lora import LORA_MODULES
 from jaxserve.speculative import eagle3
-from jaxserve.speculative.rounds import speculative_rounds
 
 # The batcher builds step inputs in numpy; the programs take them as pytrees.
 jax.tree_util.register_dataclass(StepInput)
@@ -175,16 +175,23 @@ class Runner:
         self.replicated = sharding.replicated(mesh)
         caches_sh = jax.tree.map(lambda leaf: leaf.sharding, self.caches)
         rep = self.replicated
-        # mixture-of-experts models: every program also returns its expert load [L, X]
-        self.counts_experts = model.config.moe is not None
-        load = (rep,) if self.counts_experts else ()
-        self._programs = {"step": (self._step, (rep, rep, *load, caches_sh, rep)),
-                          "decode": (self._decode, (rep, rep, *load, caches_sh, rep)),
-                          "spec": (self._spec, (rep, rep, rep, *load, caches_sh, rep))}
-        self._expert_load = ExpertLoad()
         # [max rows] each row's newest sampled token, on device: the next step's PENDING
         # tokens are read from here (`StepInput.token_source`) before the host has them.
         self.max_rows = max(config.seq_buckets)
+        traced = Programs(
+            config, model.config, self.attention, self.graphdef, self._state_def,
+            self._num_model_leaves, self.max_rows,
+            expert_mixture(mesh, pallas_kernels=self.attention.name == "pallas"),
+            None if draft is None else DraftParts(self.draft_graphdef, self._draft_def,
+                                                  self.draft_attention),
+            self._lora_def if self._num_lora_leaves else None, self._num_lora_leaves)
+        # mixture-of-experts models: every program also returns its expert load [L, X]
+        self.counts_experts = traced.counts_experts
+        load = (rep,) if self.counts_experts else ()
+        self._programs = {"step": (traced.step, (rep, rep, *load, caches_sh, rep)),
+                          "decode": (traced.decode, (rep, rep, *load, caches_sh, rep)),
+                          "spec": (traced.spec, (rep, rep, rep, *load, caches_sh, rep))}
+        self._expert_load = ExpertLoad()
         self.last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=rep)
         if not abstract:
             self.last_tokens = self._place(np.zeros(self.max_rows, np.int32))
@@ -207,31 +214,6 @@ class Runner:
         self.quick_compile_options = dict(
             platform_traits(next(iter(mesh.devices.flat)).platform).quick_compile_options)
 
-    # ---- traced programs ----------------------------------------------------------------
-    def _token_ids(self, inp: StepInput, last_tokens):
-        """The step's tokens `[T]`, those still on device read from `last_tokens`."""
-        source = inp.token_source  # [T]
-        return jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], inp.token_ids)
-
-    def _padded(self, tokens):
-        """`[S]` tokens as the `[max rows]` `last_tokens` of the next step."""
-        return jnp.zeros((self.max_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
-
-    def _unpacked(self, layout: Layout, state_leaves, packed, history, allowed):
-        """The model and the program's inputs (a tuple: the `StepInput`, then any scalars)
-        from the flat arguments every program takes."""
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(
-            self._state_def, state_leaves[:self._num_model_leaves]))
-        inp, *rest = unpack(packed, layout)
-        return model, dataclasses.replace(inp, history=history, allowed=allowed), *rest
-
-    def _lora(self, state_leaves, token_slots) -> LoRABatch | None:
-        """The adapters' slot stacks and each token's slot, or None without LoRA."""
-        if not self._num_lora_leaves:
-            return None
-        stacks = jax.tree.unflatten(self._lora_def, state_leaves[-self._num_lora_leaves:])
-        return LoRABatch.of(stacks, token_slots)
-
     def load_lora(self, slot: int, weights: LoRAAdapter | None) -> list[jax.Array]:
         """Write an adapter's stacks (None: zeros) into `slot`: one compiled program for any
         slot and adapter, updating the stacks in place; returns the stacks written (to wait
@@ -245,163 +227,6 @@ class Runner:
         written = list(self._write_lora(current, np.int32(slot), new))
         self._state_leaves = self._state_leaves[:-count] + written
         return written
-
-    def _draft(self, state_leaves):
-        """(the draft model, its attention backend) from the programs' flat weights, or None
-        without a draft."""
-        if self.draft_config is None:
-            return None
-        draft = nnx.merge(self.draft_graphdef, jax.tree.unflatten(
-            self._draft_def, state_leaves[self._num_model_leaves:]))
-        return draft, self.draft_attention
-
-    def _step(self, layout: Layout, state_leaves, caches, packed, history, allowed,
-              last_tokens):
-        model, inp = self._unpacked(layout, state_leaves, packed, history, allowed)
-        batch = PagedBatch(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens,
-                           inp.num_seqs, window_slot_mapping=inp.window_slot_mapping,
-                           window_page_indices=inp.window_page_indices)
-        token_ids = self._token_ids(inp, last_tokens)
-        draft = self._draft(state_leaves)
-        head = draft[0] if self.eagle else None
-        if draft is not None:  # the draft keeps its cache over every token the target sees
-            caches, draft_caches = caches
-            if head is None:
-                _, draft_caches = draft[0](token_ids, inp.positions, draft_caches,
-                                           draft[1].for_step(batch))
-        lora = self._lora(state_leaves, inp.lora_slots)
-        forward = model(token_ids, inp.positions, caches, self.attention.for_step(batch), lora,
-                        aux_layers=() if head is None else head.eagle.aux_layer_ids,
-                        count_experts=self.counts_experts)
-        hidden, caches = forward[:2]  # [T, E]
-        load = forward[-1:] if self.counts_experts else ()  # ([L, X],) or ()
-        if head is not None:  # an EAGLE head reads the target's states of the same step
-            head_pool, state = draft_caches
-            carried = state.last_hidden(inp.token_source, self.spec_width)  # [T, E]
-            _, _, head_pool = head(head.embeddings(model, token_ids),
-                                   eagle3.step_hidden(head, forward[2], inp.cu_q_lens, carried),
-                                   inp.positions, head_pool, draft[1].for_step(batch))
-        logits = model.logits(hidden[inp.logits_indices])  # [S, V]
-        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, logits.shape[-1],
-                                          inp.sampling)
-        result = sample_with_logprobs(logits, inp.sampling, inp.kv_lens, counts, inp.allowed)
-        if head is not None:  # next: each row's sampled token, with its last token's state
-            joined = head.joined(forward[2][inp.logits_indices])  # [S, E]
-            draft_caches = (head_pool, state.stored(eagle3.single(result.tokens, joined,
-                                                                  self.spec_width)))
-        if draft is not None:
-            caches = (caches, draft_caches)
-        prompt = target_logprobs(hidden, inp.prompt_targets, model.logits)  # [T] per field
-        return result, prompt, *load, caches, self._padded(result.tokens)
-
-    def _decode(self, layout: Layout, state_leaves, caches, packed, history, allowed,
-                last_tokens):
-        """The decode loop. Rows under a grammar run one step (the scheduler sees to it: the
-        next bitmask needs the token just sampled), so `allowed` holds for every step run.
-        With a draft model (steps of more rows than `disable_by_batch_size` do not
-        speculate), the draft is fed every token too, so that its cache has no gap when
-        later steps speculate again."""
-        model, inp, num_steps = self._unpacked(layout, state_leaves, packed, history, allowed)
-        draft = self._draft(state_leaves)
-        head = draft[0] if self.eagle else None
-        rows = inp.kv_lens.shape[0]
-        page_size = self.config.page_size
-        row = jnp.arange(rows)
-        valid = row < inp.num_seqs[0]  # [S]
-        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), inp.num_seqs[0]).astype(jnp.int32)
-        steps = self.config.num_decode_steps
-        out = SampleResult(  # [S, K] per field (+ [MAX_LOGPROBS] for the top lists)
-            tokens=jnp.zeros((rows, steps), jnp.int32),
-            logprob=jnp.zeros((rows, steps), jnp.float32),
-            top_ids=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.int32),
-            top_logprobs=jnp.zeros((rows, steps, MAX_LOGPROBS), jnp.float32))
-        count = jnp.zeros((rows,), jnp.int32)
-        done = ~valid | (inp.max_new <= 0)
-        vocab = self.model_config.vocab_size
-        counts = TokenCounts.from_history(inp.history, inp.prompt_lens, vocab, inp.sampling)
-        lora = self._lora(state_leaves, inp.lora_slots)  # a token a row
-
-        def cond(carry):
-            step, _, _, done, *_ = carry
-            return (step < num_steps) & ~jnp.all(done)
-
-        def body(carry):
-            step, out, count, done, current, position, counts, caches, joined, load = carry
-            def slots_in(page_indices):  # [S] this step's slot of each row's token
-                if page_indices is None:
-                    return None
-                page = page_indices[row, position // page_size]
-                return jnp.where(done, -1, page * page_size + position % page_size)
-
-            batch = PagedBatch(slots_in(inp.page_indices), jnp.where(valid, position + 1, 0),
-                               inp.page_indices, cu_q_lens, inp.num_seqs, decode_only=True,
-                               window_slot_mapping=slots_in(inp.window_page_indices),
-                               window_page_indices=inp.window_page_indices)
-            if draft is not None:
-                caches, draft_caches = caches
-                if head is None:
-                    _, draft_caches = draft[0](current, position, draft_caches,
-                                               draft[1].for_step(batch))
-            forward = model(current, position, caches, self.attention.for_step(batch), lora,
-                            aux_layers=() if head is None else head.eagle.aux_layer_ids,
-                            count_experts=self.counts_experts)
-            hidden, caches = forward[:2]  # [S, E]
-            if self.counts_experts:
-                load = load + forward[-1]  # [L, X]
-            if head is not None:  # the head reads each token with the state before it
-                _, _, draft_caches = head(head.embeddings(model, current), joined, position,
-                                          draft_caches, draft[1].for_step(batch))
-                joined = head.joined(forward[2])
-            if draft is not None:
-                caches = (caches, draft_caches)
-            result = sample_with_logprobs(model.logits(hidden), inp.sampling, position + 1,
-                                          counts, inp.allowed)
-            new = result.tokens  # [S]
-            out = jax.tree.map(lambda buf, value: buf.at[:, step].set(value), out, result)
-            counts = counts.add(new, ~done)
-            count = count + (~done).astype(jnp.int32)
-            stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1) | (count >= inp.max_new)
-            position = jnp.where(done, position, position + 1)
-            current = jnp.where(done, current, new)
-            return (step + 1, out, count, done | stopped, current, position, counts, caches,
-                    joined, load)
-
-        # an EAGLE head's hidden input: the target's joined state before each row's token,
-        # the first from what the last program left (`eagle3.State`)
-        joined = state = None
-        if head is not None:
-            caches, (head_pool, state) = caches
-            caches = (caches, head_pool)
-            joined = state.last_hidden(inp.token_source[:rows], self.spec_width)
-        carry = (jnp.int32(0), out, count, done, self._token_ids(inp, last_tokens),
-                 inp.positions, counts, caches, joined, self._no_load())
-        _, out, count, _, current, _, _, caches, joined, load = jax.lax.while_loop(
-            cond, body, carry)
-        if head is not None:
-            caches, head_pool = caches
-            caches = (caches, (head_pool, state.stored(
-                eagle3.single(current, joined, self.spec_width))))
-        load = (load,) if self.counts_experts else ()
-        return out, count, *load, caches, self._padded(current)  # SampleResult of [S, K]
-
-    def _spec(self, layout: Layout, state_leaves, caches, packed, history, allowed,
-              last_tokens):
-        """Speculative rounds (`speculative_rounds`): the kept tokens, how many per row, what
-        was proposed and accepted, as the decode loop returns them plus `DraftCounts`."""
-        model, inp, num_rounds = self._unpacked(layout, state_leaves, packed, history, allowed)
-        out, count, drafts, caches, current, load = speculative_rounds(
-            model, self.attention, inp, caches, self._token_ids(inp, last_tokens), num_rounds,
-            self.config, self.model_config.vocab_size, self._draft(state_leaves),
-            self._no_load())
-        load = (load,) if self.counts_experts else ()
-        return out, count, drafts, *load, caches, self._padded(current)
-
-    def _no_load(self) -> jax.Array | None:
-        """The expert load a loop starts from: zeros `[L, X]`, or None for a dense model."""
-        if not self.counts_experts:
-            return None
-        moe = self.model_config.moe
-        return jnp.zeros((self.model_config.num_layers, moe.num_experts), jnp.int32)
 
     def expert_load(self) -> np.ndarray | None:
         """`[L, X]` int64: the (token, expert) pairs each expert of each layer has run since

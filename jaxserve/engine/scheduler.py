@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import time
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import (GRAMMAR_DEAD_END, PENDING, Sequence, Status,
                                       refresh_masks)

@@ -31,25 +31,15 @@ cached page.
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import TYPE_CHECKING
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.window import WindowLayout
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:  # the plain-Python core starts no jax (tests/test_layering.py)
     from jaxserve.model.config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowLayout:
-    """Which layers keep their pages in the window pool, and its size."""
-
-    layers: tuple[int, ...]  # the window layers, in order
-    window: int  # the widest of their windows, in tokens
-    num_pages: int  # pages in the window pool, the padding page 0 included
 
 
 def window_layout(model: ModelConfig, engine: EngineConfig) -> WindowLayout | None:

@@ -12,7 +12,7 @@ Why steps rather than time slices: a step is the unit the device runs without in
 round-robin of steps gives each engine with work one step per turn, which is what keeps a
 quiet model's time to first token close to its value alone while another model is flooded.
 
-How a turn bounds the wait (`jaxserve.server.async_engine`): an engine alone on its devices
+How a turn bounds the wait (`jaxserve.engine.async_engine`): an engine alone on its devices
 dispatches its next step before it reads the last one (host and device overlap), so the
 device has up to two of its steps queued, and a newcomer would wait for both. So an engine
 whose devices are shared (`Seat.shared`) reads its step in flight before it asks for its next

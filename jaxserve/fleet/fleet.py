@@ -34,7 +34,7 @@ from jaxserve.fleet.models_file import ModelEntry
 from jaxserve.fleet.routing import ModelRouter, RoutingTable
 from jaxserve.fleet.served_model import AdapterVersion, ServedModel
 from jaxserve.llm import LLM
-from jaxserve.server.prometheus import PrometheusMetrics
+from jaxserve.engine.prometheus import PrometheusMetrics
 
 log = logging.getLogger("jaxserve.fleet")
 

@@ -40,7 +40,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.loading.hub import HUB_ID
 from jaxserve.presets import read_toml, shipped_presets
 

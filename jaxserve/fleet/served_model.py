@@ -24,7 +24,7 @@ from jaxserve.fleet.device_turns import DeviceTurns
 from jaxserve.fleet.models_file import ModelEntry
 from jaxserve.llm import LLM
 from jaxserve.lora.slots import Adapter
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("jaxserve.fleet")
 

@@ -42,8 +42,8 @@ from jax.sharding import Mesh
 import sharding
 
 from jaxserve.loading.hub import resolve_model
-from jaxserve.model.config import (ModelConfig, WeightQuantization, load_config, resolve_dtype,
-                                   with_quantization)
+from jaxserve.model.config import ModelConfig, WeightQuantization, resolve_dtype, with_quantization
+from jaxserve.model.hf_config import load_config
 from jaxserve.model import LlamaModel
 from jaxserve.model.quantization import CONTRACTED_AXES, quantize, quantizes, scale_path
 from jaxserve.loading.weights import (abstract_model, kv_axis, load_weights, param_dtypes,

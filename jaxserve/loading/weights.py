@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 import sharding
 from jaxserve.loading import mxfp4
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.families import FAMILIES
 from jaxserve.model import LlamaModel
 from jaxserve.model.quantization import (CONTRACTED_AXES, STORAGE_DTYPES, quantize_on_host,
                                          quantizes, scale_path)
@@ -135,11 +136,6 @@ def _mlp_entries(cfg: ModelConfig, i: int, part: str = "", width: int | None = N
 
 
 # Mixture-of-experts checkpoints: (prefix, router, expert gate, up, down) per family.
-_MOE_NAMES = {"qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
-              "mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
-              "glm4_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
-
-
 class ExpertSlot(tuple):
     """The model path of a stacked expert weight and the expert a checkpoint tensor fills:
     `(path, expert, num_experts)`. The loader gathers a weight's experts, then places it."""
@@ -170,10 +166,11 @@ def _gpt_oss_moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
 def _moe_entries(cfg: ModelConfig, i: int) -> dict[str, tuple]:
     """The router and every expert's tensors of layer i; an expert's tensor maps to its
     slot of the stacked `[X, ...]` weight (`ExpertSlot`)."""
-    if cfg.model_type == "gpt_oss":
+    family = FAMILIES[cfg.model_type]
+    if family.fused_experts:
         return _gpt_oss_moe_entries(cfg, i)
     e, x, m = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
-    prefix, router, gate, up, down = _MOE_NAMES[cfg.model_type]
+    prefix, router, gate, up, down = family.expert_names
     hf, ours = f"model.layers.{i}.{prefix}", ("layers", i, "mlp")
     entries: dict[str, tuple] = {hf + f"{router}.weight": (ours + ("router",), np.transpose,
                                                            (x, e))}

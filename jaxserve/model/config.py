@@ -1,35 +1,33 @@
-"""Model configuration read from a Hugging Face `config.json`.
+"""The model's configuration: `ModelConfig` (a Llama-family decoder's architecture,
+independent of where it was read from) and what it holds (`RopeConfig`, `MoEConfig`,
+`GemmaStyle`, `WeightQuantization`), with the helpers that derive one from another
+(`with_quantization`, `with_expert_parallel`, `resolve_dtype`).
 
 Supports the Llama family as `transformers` writes it: `model_type` llama, mistral, qwen2 and
-qwen3, its mixture-of-experts relatives qwen3_moe and mixtral (`MoEConfig`), and Gemma 2 and
-Gemma 3 (text) with what they change (`GemmaStyle`). Layers may differ in their attention:
-`layer_types` (transformers' per-layer "sliding_attention" / "full_attention") says which
-layers see only the last `sliding_window` tokens, and Gemma 3's sliding layers have a rope of
-their own (`local_rope`). Rope
-settings are read both from the top level (transformers 4.x: `rope_theta`, `rope_scaling`)
-and from `rope_parameters` (transformers 5.x). Anything this runtime cannot run faithfully is
-a `ValueError` naming the setting: a silently wrong model is worse than none.
+qwen3, its mixture-of-experts relatives qwen3_moe, mixtral, glm4_moe and gpt_oss
+(`MoEConfig`), and Gemma 2 and Gemma 3 (text) with what they change (`GemmaStyle`); what each
+`model_type` changes is a row of `jaxserve.model.families.FAMILIES`. Layers may differ in
+their attention: `layer_types` (transformers' per-layer "sliding_attention" /
+"full_attention") says which layers see only the last `sliding_window` tokens, and Gemma 3's
+sliding layers have a rope of their own (`local_rope`). `jaxserve.model.hf_config` reads a
+Hugging Face `config.json` into these types.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 
+from jaxserve.model.families import FAMILIES
+
 DTYPES = ("float32", "bfloat16")  # what the engine computes in
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe",
-                         "gemma2", "gemma3_text", "gpt_oss")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # what each changes: `jaxserve.model.families`
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 TPU_LANES = 128  # the minor tile of a TPU array: a slice narrower than it is padded
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -258,70 +256,7 @@ class ModelConfig:
         return self.moe is not None and layer not in self.dense_layers
 
 
-def _read_rope(hf: dict[str, Any]) -> RopeConfig:
-    """Rope settings from either layout: 5.x `rope_parameters` or 4.x top-level fields."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy_scaling = hf.get("rope_scaling") or {}
-    if not params:
-        params = dict(legacy_scaling)
-        if "rope_theta" in hf:
-            params["rope_theta"] = hf["rope_theta"]
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_scaling rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-    partial = float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor")
-                    or 1.0)
-    if partial != 1.0:
-        if rope_type != "default":
-            raise ValueError(f"partial_rotary_factor {partial} with rope_type {rope_type!r} "
-                             "is not supported")
-        return RopeConfig(theta=theta, partial_rotary_factor=partial)
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if params.get("factor") is None:
-        raise ValueError(f"rope_scaling of type {rope_type!r} needs a 'factor'")
-    if rope_type == "yarn":
-        return _read_yarn(params, theta, int(hf.get("max_position_embeddings", 2048)))
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
-    missing = [k for k in ("low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings") if k not in params]
-    if missing:
-        raise ValueError(f"rope_scaling of type 'llama3' is missing {missing}")
-    return RopeConfig(
-        theta=theta, rope_type="llama3", factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention scale for a context `factor` (0.1 · mscale · ln(factor) + 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _read_yarn(params: dict[str, Any], theta: float, max_positions: int) -> RopeConfig:
-    """YaRN as transformers reads it: the original length defaults to the model's,
-    `attention_factor` to the mscale of `factor` (or the ratio of `mscale`'s to
-    `mscale_all_dim`'s when both are given); `truncate` defaults to true."""
-    original = int(params.get("original_max_position_embeddings") or max_positions)
-    factor = float(params["factor"])
-    attention = params.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                     if mscale and mscale_all_dim else _yarn_mscale(factor))
-    return RopeConfig(theta=theta, rope_type="yarn", factor=factor,
-                      original_max_position_embeddings=original,
-                      beta_fast=float(params.get("beta_fast") or 32),
-                      beta_slow=float(params.get("beta_slow") or 1),
-                      truncate=bool(params.get("truncate", True)),
-                      attention_factor=float(attention))
-
-
-def _eos_ids(value) -> tuple[int, ...]:
+def as_eos_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -335,7 +270,7 @@ def eos_token_ids(model_dir: Path, config_ids, tokenizer_eos_id: int | None) -> 
     ids = set(config_ids)
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
-        ids.update(_eos_ids(json.loads(gen_path.read_text()).get("eos_token_id")))
+        ids.update(as_eos_ids(json.loads(gen_path.read_text()).get("eos_token_id")))
     if tokenizer_eos_id is not None:
         ids.add(tokenizer_eos_id)
     return ids
@@ -349,213 +284,6 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")
     return jnp.dtype(dtype)
-
-
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Translate a parsed Hugging Face `config.json` into a `ModelConfig`."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r}; supported: {list(ACTIVATIONS)}")
-    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"]
-    missing = [k for k in required if k not in hf]
-    if missing:
-        raise ValueError(f"config.json is missing required field(s) {missing}")
-    num_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-    attention_bias = bool(hf.get("attention_bias", False))
-    # Qwen2 always has q/k/v bias and no o bias; Llama's `attention_bias` covers q/k/v/o.
-    qkv_bias = True if model_type == "qwen2" else attention_bias
-    o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe",
-                                              "gpt_oss") else False
-    moe, dense_layers = _read_moe(hf) if model_type in MOE_MODEL_TYPES else (None, ())
-    sliding_window, layer_types = _read_layer_types(hf, model_type)
-    gemma = model_type in GEMMA_MODEL_TYPES
-    rope, local_rope = _read_ropes(hf, model_type)
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=rope,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-                 or bool(hf.get("use_qk_norm"))),
-        attention_sinks=model_type == "gpt_oss",
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        local_rope=local_rope,
-        hidden_act=ACTIVATIONS[act],
-        gemma=GemmaStyle(float(hf.get("query_pre_attn_scalar") or head_dim),
-                         # transformers' Gemma 3 keeps this field but never caps its scores
-                         hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
-                         hf.get("final_logit_softcapping")) if gemma else None,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-        checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
-        quantization=checkpoint_quantization(hf),
-        moe=moe,
-        dense_layers=dense_layers,
-    )
-
-
-def _read_layer_types(hf: dict[str, Any], model_type: str
-                      ) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding_window, layer_types): `layer_types` as transformers 5 writes it, else each
-    family's rule (Mistral: every layer; Gemma 2, gpt-oss: every other one from the first;
-    Gemma 3:
-    all but every `sliding_window_pattern`-th; Qwen: with `use_sliding_window`, the layers
-    from `max_window_layers` on). `()` when the layers are alike (no window, or all slide)."""
-    window = hf.get("sliding_window")
-    num_layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None and window is None:  # no family slides without a window
-        return None, ()
-    if types is None:
-        if model_type in ("mistral", "mixtral"):
-            sliding = [True] * num_layers
-        elif model_type in ("gemma2", "gpt_oss"):
-            sliding = [i % 2 == 0 for i in range(num_layers)]
-        elif model_type == "gemma3_text":
-            pattern = int(hf.get("sliding_window_pattern") or 6)
-            sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
-            first = hf.get("max_window_layers", num_layers)
-            sliding = [bool(hf.get("use_sliding_window")) and i >= first
-                       for i in range(num_layers)]
-        else:
-            sliding = [False] * num_layers
-        types = ["sliding_attention" if s else "full_attention" for s in sliding]
-    types = tuple(types)
-    if len(types) != num_layers or set(types) - set(LAYER_TYPES):
-        raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of the "
-                         f"{num_layers} layers, got {list(types)}")
-    if "sliding_attention" not in types:
-        return None, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"sliding_window must be a positive integer for the layers "
-                         f"layer_types makes sliding, got {window!r}")
-    return window, () if set(types) == {"sliding_attention"} else types
-
-
-def _read_ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig | None]:
-    """(rope, local_rope): Gemma 3's sliding layers have their own rope, in transformers 5
-    as `rope_parameters[layer type]`, in 4.x as `rope_local_base_freq` (the global rope's
-    `rope_scaling` applies to the full-attention layers only)."""
-    params = hf.get("rope_parameters") or {}
-    if set(params) & set(LAYER_TYPES):
-        missing = sorted(set(LAYER_TYPES) - set(params))
-        if missing:
-            raise ValueError(f"rope_parameters is per layer type but lacks {missing}")
-        return tuple(_read_rope({**hf, "rope_parameters": params[kind]})
-                     for kind in ("full_attention", "sliding_attention"))
-    if model_type == "gemma3_text":
-        local = float(hf.get("rope_local_base_freq") or 10000.0)
-        return _read_rope(hf), RopeConfig(theta=local)
-    return _read_rope(hf), None
-
-
-def _read_moe(hf: dict[str, Any]) -> tuple[MoEConfig, tuple[int, ...]]:
-    """The experts of a qwen3_moe, mixtral, glm4_moe or gpt_oss config, and the layers that
-    keep a dense MLP: Qwen3-MoE's `mlp_only_layers` and those `decoder_sparse_step` skips,
-    GLM's first `first_k_dense_replace`. gpt-oss's router takes the softmax of its top k
-    logits, which is the renormalized top k of the softmax."""
-    model_type, layers = hf.get("model_type"), range(hf["num_hidden_layers"])
-    if model_type == "qwen3_moe":
-        step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-        dense = tuple(i for i in layers if i in dense_only or (i + 1) % step)
-        return MoEConfig(hf.get("num_experts") or hf.get("num_local_experts"),
-                         hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
-                         bool(hf.get("norm_topk_prob"))), dense
-    if model_type == "glm4_moe":
-        dense = tuple(i for i in layers if i < hf.get("first_k_dense_replace", 0))
-        return MoEConfig(
-            hf.get("n_routed_experts") or hf.get("num_local_experts"),
-            hf.get("num_experts_per_tok"), hf.get("moe_intermediate_size"),
-            bool(hf.get("norm_topk_prob", True)), "sigmoid", hf.get("n_group") or 1,
-            hf.get("topk_group") or 1, float(hf.get("routed_scaling_factor", 1.0)),
-            int(hf.get("n_shared_experts") or 0)), dense
-    if model_type == "gpt_oss":
-        return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
-                         hf.get("intermediate_size"), biases=True, activation="clamped_swiglu",
-                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(hf.get("swiglu_limit", 7.0))), ()
-    return MoEConfig(hf.get("num_local_experts"), hf.get("num_experts_per_tok"),
-                     hf.get("intermediate_size")), ()
-
-
-def checkpoint_quantization(hf: dict[str, Any]) -> WeightQuantization | None:
-    """The weight quantization a checkpoint was saved with (`quantization_config`), or None.
-
-    Supported: `compressed-tensors` (what llm-compressor writes for most published FP8/INT8
-    models) with one config group targeting `Linear`, 8-bit symmetric weights per channel or
-    per tensor, float (fp8 e4m3) or int; its `ignore` list may name `lm_head` and the
-    routers of a mixture of experts (which are never quantized here). The embedding is never
-    quantized in this format. gpt-oss's MXFP4 experts load dequantized (None here:
-    `jaxserve.loading.mxfp4`). Anything else is a `ValueError` naming the field."""
-    qc = hf.get("quantization_config")
-    if not qc or (qc.get("quant_method") == "mxfp4" and hf.get("model_type") == "gpt_oss"):
-        return None
-    field = "quantization_config"
-    if qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"{field}.quant_method {qc.get('quant_method')!r} is not supported; "
-                         "jaxserve reads 'compressed-tensors' checkpoints (int8/fp8 weights)")
-    if qc.get("format") not in ("float-quantized", "int-quantized", "naive-quantized"):
-        raise ValueError(f"{field}.format {qc.get('format')!r} is not supported; supported: "
-                         "float-quantized, int-quantized, naive-quantized")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"{field}.config_groups: exactly one group is supported, got "
-                         f"{len(groups)}")
-    group_name, group = next(iter(groups.items()))
-    where = f"{field}.config_groups.{group_name}"
-    if group.get("targets") != ["Linear"]:
-        raise ValueError(f"{where}.targets must be ['Linear'], got {group.get('targets')!r}")
-    weights = group.get("weights") or {}
-    checks = {"num_bits": (8,), "type": ("float", "int"), "strategy": ("channel", "tensor"),
-              "symmetric": (True,), "dynamic": (False, None)}
-    for key, accepted in checks.items():
-        if weights.get(key) not in accepted:
-            raise ValueError(f"{where}.weights.{key} {weights.get(key)!r} is not supported; "
-                             f"supported: {list(accepted)}")
-    ignore = list(qc.get("ignore") or [])
-    unsupported = [name for name in ignore if name != "lm_head" and not _names_routers(name)]
-    if unsupported:
-        raise ValueError(f"{field}.ignore may name only 'lm_head' and the routers (every "
-                         f"other Linear is quantized here); got {unsupported}")
-    skip = ("embed", "lm_head") if "lm_head" in ignore else ("embed",)
-    return WeightQuantization("fp8" if weights["type"] == "float" else "int8", skip)
-
-
-_ROUTERS = ("model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate")
-_NOT_ROUTERS = ("model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_proj",
-                "model.layers.0.mlp.experts.0.gate_proj")
-
-
-def _names_routers(entry: str) -> bool:
-    """Whether a compressed-tensors `ignore` entry (a module name, or "re:" and a pattern)
-    names mixture-of-experts routers and no other Linear."""
-    if not entry.startswith("re:"):
-        return re.fullmatch(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate", entry) is not None
-    pattern = entry[3:]
-    try:
-        return (any(re.fullmatch(pattern, name) for name in _ROUTERS)
-                and not any(re.fullmatch(pattern, name) for name in _NOT_ROUTERS))
-    except re.error:
-        return False
 
 
 def with_quantization(cfg: ModelConfig, method: str | None, activations: bool = False,
@@ -632,15 +360,3 @@ def _check_platform(quant: WeightQuantization | None, platform: str,
         raise ValueError(f"quantization: fp8 activations (fp8 x fp8 matmuls) need a GPU with "
                          f"fp8 tensor cores (H100, H200, L4, ...); this is {platform} "
                          f"{device_kind!r}. Use fp8 weights without activations, or int8.")
-
-
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read `<model_dir>/config.json`; errors name the folder and the bad field."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model folder {str(model_dir)!r} has no config.json")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config.json in {str(model_dir)!r} is not valid JSON: {err}") from err
-    return config_from_hf(hf)

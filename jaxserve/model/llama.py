@@ -7,13 +7,14 @@ the attention scores' cap and each layer's window belong to the attention backen
 reads them from the config. Layers whose rope differs (Gemma 3's sliding layers) each get
 their own rope.
 
-The model knows nothing of KV-cache layout or devices. Attention is delegated to an
-`attention` callable passed at call time, `attention(layer_index, q, k, v, layer_cache) ->
-(out, layer_cache)`, so the same weights serve the dense reference path and the paged engine
-(with `scan_layers`, `layer_index` is a `StackedLayer` and `layer_cache` the cache of its
-whole stack). A
-model with attention sinks (gpt-oss: a learned logit per query head that joins every
-softmax's denominator) also passes `sinks=` `[Hq]` float32.
+The model knows nothing of KV-cache layout or devices. A forward takes a `StepContext`
+(`jaxserve.model.contract`) and returns a `ModelOutput`. Attention is delegated to the
+context's `attention` callable, `attention(layer_index, q, k, v, layer_cache) -> (out,
+layer_cache)`, so the same weights serve the dense reference path and the paged engine (with
+`scan_layers`, `layer_index` is a `StackedLayer` and `layer_cache` the cache of its whole
+stack); mixture-of-experts layers run the context's `experts`. A model with attention sinks
+(gpt-oss: a learned logit per query head that joins every softmax's denominator) also passes
+`sinks=` `[Hq]` float32.
 Token arrays may have any leading shape (`[B, T]` for the dense path, `[T]` for a flat
 ragged batch).
 
@@ -31,22 +32,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.contract import AttentionFn, ExpertMixture, ModelOutput, StepContext
 from jaxserve.model.lora import LoRABatch, add_delta
 from jaxserve.model.moe import SparseMoE, expert_counts
 from jaxserve.model.quantization import embedding_rows, project, weight_param
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_scale
-
-# attention(layer_index, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D], layer_cache
-#           [, sinks [Hq]]) -> (out [..., Hq, D], layer_cache)
-AttentionFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +244,11 @@ class DecoderLayer(nnx.Module):
         self.output_norms = cfg.gemma is not None
 
     def __call__(self, layer_index, x, positions, attention, layer_cache,
-                 lora: LoRABatch | None = None):
+                 lora: LoRABatch | None = None, experts: ExpertMixture | None = None):
         """→ (x, layer_cache, the experts each token chose `[T, K]` or None in a dense
         layer). `lora`: this layer's adapter stacks and the tokens' slots (None: the
-        base)."""
+        base); `experts`: how a mixture-of-experts layer runs its experts (None:
+        `default_mixture`)."""
         attn_out, layer_cache = self.attn(
             layer_index, self.input_norm(x), positions, attention, layer_cache, lora)
         if self.output_norms:
@@ -258,8 +256,8 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         hidden = self.post_attention_norm(x)
         routed = None  # [T, K] the experts each token chose, in a mixture-of-experts layer
-        if isinstance(self.mlp, SparseMoE):  # the backend's experts, if it has some
-            out, routed = self.mlp(hidden, getattr(attention, "expert_mixture", None))
+        if isinstance(self.mlp, SparseMoE):
+            out, routed = self.mlp(hidden, experts)
         else:
             out = self.mlp(hidden, lora)
         if self.output_norms:
@@ -326,25 +324,28 @@ class LlamaModel(nnx.Module):
                 ("embed", "vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: Any,
-                 attention: AttentionFn, lora: LoRABatch | None = None,
-                 aux_layers: tuple[int, ...] = (), count_experts: bool = False):
-        """token_ids, positions `[...]` int32 → final hidden states `[..., E]`, new cache.
+                 step: StepContext, aux_layers: tuple[int, ...] = (),
+                 count_experts: bool = False) -> ModelOutput:
+        """token_ids, positions `[...]` int32 → final hidden states `[..., E]` and the new
+        cache, as a `ModelOutput`.
 
         `kv_cache`: a list of per-layer caches, or with `scan_layers` `(stacks, tail)`.
-        `lora`: the adapter slots (stacks `[L, S, ...]`) and each token's slot.
+        `step`: the attention, the experts, the real tokens and the LoRA batch (the adapter
+        slots' stacks `[L, S, ...]` and each token's slot).
         `aux_layers`: also return the inputs of these layers side by side `[..., n * E]`
-        (what an EAGLE-3 head reads).
-        `count_experts` (mixture-of-experts models): also return, last, the expert load
-        `[L, X]` int32: per layer, the (token, expert) pairs each expert got, counting the
-        tokens `attention.real_tokens` marks (all of them if it has no such mask); dense
+        (`ModelOutput.aux`, what an EAGLE-3 head reads).
+        `count_experts` (mixture-of-experts models): also return the expert load `[L, X]`
+        int32 (`ModelOutput.expert_load`): per layer, the (token, expert) pairs each expert
+        got, counting the tokens `step.real_tokens` marks (all of them if None); dense
         layers' rows are 0."""
+        attention, lora = step.attention, step.lora
         x = embedding_rows(self.embed[...], _value(self.embed_scale), token_ids,
                            self.compute_dtype)  # [..., E]
         if self.config.gemma is not None:  # sqrt(E), rounded to the compute dtype as HF does
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.compute_dtype)
         moe = self.config.moe if count_experts else None
-        real = getattr(attention, "real_tokens", None)  # [T] bool, or None
-        count = lambda routed: expert_counts(routed, moe.num_experts, real)  # noqa: E731
+        count = lambda routed: expert_counts(routed, moe.num_experts,  # noqa: E731
+                                             step.real_tokens)
         load = None if moe is None else jnp.zeros((self.config.num_layers, moe.num_experts),
                                                   jnp.int32)  # [L, X]
         aux = [jnp.zeros_like(x) for _ in aux_layers]
@@ -357,7 +358,8 @@ class LlamaModel(nnx.Module):
             else:
                 flat = index
                 aux = [x if flat == at else kept for at, kept in zip(aux_layers, aux)]
-            x, cache, routed = layer(index, x, positions, attention, cache, layer_lora)
+            x, cache, routed = layer(index, x, positions, attention, cache, layer_lora,
+                                     step.experts)
             if load is not None and routed is not None:
                 load = load.at[flat].set(count(routed))
             return x, cache, aux, load
@@ -403,13 +405,11 @@ class LlamaModel(nnx.Module):
             one_group, (x, list(stacks), aux, load), (groups_index, params, lora_stacks))
         return x, stacks, aux, load
 
-    def _outputs(self, x, kv_cache, aux, load):
-        """(final hidden states, cache), then the layer inputs asked for when there are
-        some, then the expert load when counted."""
-        out = (self.final_norm(x), kv_cache)
-        if aux:
-            out += (jnp.concatenate(aux, axis=-1),)
-        return out if load is None else out + (load,)
+    def _outputs(self, x, kv_cache, aux, load) -> ModelOutput:
+        """The final hidden states and cache, the layer inputs asked for when there are
+        some, the expert load when counted."""
+        return ModelOutput(self.final_norm(x), kv_cache,
+                           jnp.concatenate(aux, axis=-1) if aux else None, load)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Hidden states `[..., E]` → float32 logits `[..., V]`."""

@@ -9,11 +9,11 @@ best groups of experts only, and weighs by the chosen sigmoid scores (`route_sig
 
 Dropless: no token is ever dropped, however unevenly the router spreads them, and every
 shape depends only on the token bucket, so nothing compiles after warm-up. How the pairs
-run through the experts is an `ExpertMixture` the attention backend supplies (it knows the
-platform and the mesh, as for attention), built from `jaxserve.model.expert_mixtures`:
+run through the experts is the `ExpertMixture` of the step (`StepContext.experts`, built for
+the mesh and platform by `jaxserve.model.expert_placement`) from `jaxserve.model.expert_mixtures`:
 `default_mixture` on CPU and GPU (gathered experts, slots of rows per expert or blocks,
 by the bucket and the routing); megablox `gmm` per device on TPU; with expert
-parallelism, each device's own experts (`jaxserve.attention.backend.experts_per_device`).
+parallelism, each device's own experts (`expert_placement.experts_per_device`).
 
 Parameters carry logical axes like the dense MLP's ("embed", "mlp"), plus "experts" for the
 expert axis: with the default rules experts are tensor-parallel (each device holds a slice
@@ -30,20 +30,15 @@ quantized (`quantize_activations` applies to attention and dense MLPs).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig, MoEConfig
+from jaxserve.model.contract import ExpertMixture
 from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, sort_pairs
 from jaxserve.model.quantization import weight_param
 
-# mixture(x [T, E], weights [T, K], experts [T, K], kernels: ExpertKernels,
-#         expert_parallel) -> [T, E]: each token's experts' outputs, summed with their
-#         weights (the backend's: it knows the platform and the mesh)
-ExpertMixture = Callable[..., jax.Array]
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool
@@ -136,7 +131,7 @@ class SparseMoE(nnx.Module):
     def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         """hidden `[..., E]` → (`[..., E]`, each token's chosen experts `[T, K]` int32, T the
-        tokens of hidden flattened); `mixture`: the backend's, else `default_mixture`."""
+        tokens of hidden flattened); `mixture`: the step's, else `default_mixture`."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
         if self.correction_bias is None:
             logits = x @ self.router[...]  # [T, X]

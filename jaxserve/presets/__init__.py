@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from jaxserve.engine.config import SECTIONS, option_specs
+from jaxserve.config.engine import SECTIONS, option_specs
 from jaxserve.platforms import PLATFORMS
 from jaxserve.platforms import platform as platform_traits
 

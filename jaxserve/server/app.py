@@ -43,7 +43,7 @@ from jaxserve.fleet.routing import Route, UnknownModelError
 from jaxserve.fleet.served_model import ServedModel
 from jaxserve.lora.slots import Adapter
 from jaxserve.server import handlers
-from jaxserve.server.async_engine import EngineDeadError, QueueFullError, RetiredError
+from jaxserve.engine.async_engine import EngineDeadError, QueueFullError, RetiredError
 from jaxserve.server.auth import (AuthError, admin_key_dependency, api_key_dependency,
                                   check_api_key)
 from jaxserve.server.generation_defaults import with_defaults
@@ -82,63 +82,78 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)  # a 413 carries the id too
     if state.options.cors is not None:  # outermost: preflights and errors get its headers
         app.add_middleware(CORSMiddleware, **state.options.cors)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        content_type = request.headers.get("content-type", "")
-        if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
-            return _error(415, f"the request body must be JSON sent with Content-Type: "
-                               f"application/json (got {content_type or 'none'!r})",
-                          code="unsupported_media_type")
-        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
-            reason = first.get("ctx", {}).get("error", first.get("msg"))
-            offset = first.get("loc", (None, None))[-1]
-            return _error(400, f"request body is not valid JSON: {reason} (at character "
-                               f"{offset})")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        return _error(400, f"{param}: {message}" if param else message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), error_type="not_found_error"
-                      if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(AuthError)
-    async def on_auth_error(request: Request, exc: AuthError):
-        return _error(exc.status, exc.message, error_type=exc.error_type, code=exc.code)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError):
-        return _error(exc.status, exc.message, exc.param, exc.error_type, exc.code, exc.headers)
-
-    @app.exception_handler(QueueFullError)
-    async def on_queue_full(request: Request, exc: QueueFullError):
-        return _error(429, str(exc), error_type="rate_limit_error",
-                      headers={"Retry-After": "1"})
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_failure(request: Request, exc: EngineDeadError):
-        return _server_error(request, "the engine failed while serving this request", exc)
-
-    @app.exception_handler(Exception)  # anything unforeseen: Starlette's outermost layer
-    async def on_unexpected_error(request: Request, exc: Exception):
-        response = _server_error(request, "the server failed to answer this request", exc)
-        response.headers["x-request-id"] = request.state.request_id  # past that middleware
-        return response
-
-    def route(model: str | None) -> Route:
-        if not state.ready:
-            raise APIError(503, state.not_ready_reason(), error_type="service_unavailable")
-        try:
-            return state.fleet.router.route(model)
-        except UnknownModelError as err:
-            raise APIError(404, str(err), "model", code="model_not_found") from None
+    add_error_handlers(app)
 
     v1 = [api_key_dependency(lambda: state.api_key)]
     admin = [admin_key_dependency(lambda: state.admin_api_key)]
+    add_status_routes(app, state, v1, admin)
+    add_generation_routes(app, state, v1)
+    add_tokenizer_routes(app, state, v1)
+    add_lora_routes(app, state, admin)
+    add_router_routes(app, state, v1)
+    return app
+
+
+# ---- errors ------------------------------------------------------------------------------
+async def on_validation_error(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    content_type = request.headers.get("content-type", "")
+    if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
+        return _error(415, f"the request body must be JSON sent with Content-Type: "
+                           f"application/json (got {content_type or 'none'!r})",
+                      code="unsupported_media_type")
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        reason = first.get("ctx", {}).get("error", first.get("msg"))
+        offset = first.get("loc", (None, None))[-1]
+        return _error(400, f"request body is not valid JSON: {reason} (at character "
+                           f"{offset})")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return _error(400, f"{param}: {message}" if param else message, param)
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException):
+    return _error(exc.status_code, str(exc.detail), error_type="not_found_error"
+                  if exc.status_code == 404 else "invalid_request_error")
+
+
+async def on_auth_error(request: Request, exc: AuthError):
+    return _error(exc.status, exc.message, error_type=exc.error_type, code=exc.code)
+
+
+async def on_api_error(request: Request, exc: APIError):
+    return _error(exc.status, exc.message, exc.param, exc.error_type, exc.code, exc.headers)
+
+
+async def on_queue_full(request: Request, exc: QueueFullError):
+    return _error(429, str(exc), error_type="rate_limit_error", headers={"Retry-After": "1"})
+
+
+async def on_engine_failure(request: Request, exc: EngineDeadError):
+    return _server_error(request, "the engine failed while serving this request", exc)
+
+
+async def on_unexpected_error(request: Request, exc: Exception):
+    """Anything unforeseen (Starlette's outermost layer)."""
+    response = _server_error(request, "the server failed to answer this request", exc)
+    response.headers["x-request-id"] = request.state.request_id  # past that middleware
+    return response
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answered in OpenAI's shape, naming the bad field where there is one."""
+    for error, handler in ((RequestValidationError, on_validation_error),
+                           (StarletteHTTPException, on_http_error), (AuthError, on_auth_error),
+                           (APIError, on_api_error), (QueueFullError, on_queue_full),
+                           (EngineDeadError, on_engine_failure),
+                           (Exception, on_unexpected_error)):
+        app.add_exception_handler(error, handler)
+
+
+# ---- health, metrics, models, reload -----------------------------------------------------
+def add_status_routes(app: FastAPI, state: ServerState, v1: list, admin: list) -> None:
+    """`/health`, `/metrics`, `/v1/models` and `/admin/reload`."""
 
     @app.get("/health")
     async def health():
@@ -182,82 +197,97 @@ def create_app(state: ServerState) -> FastAPI:
                                           f"{what}", err, traceback=True)
         return {"status": "ok", "models": state.fleet.table.ids(), "timeline": timeline}
 
-    def build_job(served: ServedModel, body, build: Callable, answer_as: str,
-                  request_id: str | None, lora: Adapter | None):
-        """The job of `body` on `served`, not yet queued: its caps checked, its prompts
-        tokenized (a chat's rendered), a chat request's tool schemas checked by compiling
-        them, its grammar compiled (first here, so that an error names the field the client
-        sent; the job finds it cached). Seconds for a long prompt: run it off the event
-        loop."""
-        body = with_defaults(body, state.generation_defaults(served))
-        state.request_limits.check(body)
-        structured = body.structured()
-        checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []
-        checks += [(body.structured_field(), structured)] if structured is not None else []
-        for field, constraint in checks:
-            try:
-                served.llm.engine.grammar_compiler().compile(constraint)
-            except InvalidRequestError as err:
-                err.field = field  # the name the client sent
-                raise
-        return build(served, body, answer_as, request_id, lora=lora)
 
-    async def admit(served: ServedModel, body, build: Callable, answer_as: str,
-                    request_id: str | None, lora: Adapter | None):
-        """The job of `body` on `served`, built on a worker thread (so `/health` and every
-        stream carry on meanwhile), then queued here on the event loop."""
-        job = await asyncio.to_thread(build_job, served, body, build, answer_as, request_id,
-                                      lora)
-        return job.start()
-
-    async def run(request: Request, body, build: Callable):
-        adapter = state.find_adapter(body.model) if state.ready else None
-        lora = None if adapter is None else adapter[1]  # `model` names a LoRA adapter
-        model = body.model if adapter is None else adapter[0].entry.name
-        chosen, tried = route(model), set()
-        given_id = request.state.request_id if request.state.request_id_given else None
-        while True:
-            served = chosen.served
-            tried.add(served.pinned_id)
-            answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
-                         and lora is None else body.model or served.entry.name)
-            try:
-                job = await admit(served, body, build, answer_as, given_id,
-                                  lora or served.adapter)
-                break
-            except RetiredError:  # removed by a reload a moment ago: the new table decides
-                chosen = route(model)
-            except (QueueFullError, EngineDeadError):
-                fallback = state.fleet.router.fallback(chosen)
-                if lora is not None or fallback is None or fallback.served.pinned_id in tried:
-                    raise
-                chosen = fallback
-            except ValueError as err:
-                raise APIError(400, str(err), getattr(err, "field", None)) from None
-        state.prometheus.count_route(state.fleet.public_id(served), served.entry.version,
-                                     chosen.reason)
-        request.state.request_id = job.request_id  # the client's, else the body's `id`
-        headers = {"x-jaxserve-model-version": served.pinned_id}
-        if chosen.fallback_from:
-            headers["x-jaxserve-fallback-from"] = chosen.fallback_from
-        if body.stream:
-            return StreamingResponse(job.sse(), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await _unless_disconnected(request, job.collect()), headers=headers)
+# ---- completions ---------------------------------------------------------------------------
+def add_generation_routes(app: FastAPI, state: ServerState, v1: list) -> None:
+    """`POST /v1/completions` and `POST /v1/chat/completions`."""
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request, body: CompletionRequest):
-        return await run(request, body, handlers.CompletionJob)
+        return await _run(state, request, body, handlers.CompletionJob)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await run(request, body, functools.partial(handlers.ChatJob,
-                                                          parsing=state.chat_parsing))
+        return await _run(state, request, body, functools.partial(
+            handlers.ChatJob, parsing=state.chat_parsing))
 
-    add_tokenizer_routes(app, state, v1)
-    add_lora_routes(app, state, admin)
-    add_router_routes(app, state, v1)
 
-    return app
+def _route(state: ServerState, model: str | None) -> Route:
+    """The version that answers a request for `model` (503 before the models are ready, 404
+    for a name the server does not have)."""
+    if not state.ready:
+        raise APIError(503, state.not_ready_reason(), error_type="service_unavailable")
+    try:
+        return state.fleet.router.route(model)
+    except UnknownModelError as err:
+        raise APIError(404, str(err), "model", code="model_not_found") from None
+
+
+def _build_job(state: ServerState, served: ServedModel, body, build: Callable, answer_as: str,
+               request_id: str | None, lora: Adapter | None):
+    """The job of `body` on `served`, not yet queued: its caps checked, its prompts
+    tokenized (a chat's rendered), a chat request's tool schemas checked by compiling
+    them, its grammar compiled (first here, so that an error names the field the client
+    sent; the job finds it cached). Seconds for a long prompt: run it off the event
+    loop."""
+    body = with_defaults(body, state.generation_defaults(served))
+    state.request_limits.check(body)
+    structured = body.structured()
+    checks = body.tool_schemas() if isinstance(body, ChatCompletionRequest) else []
+    checks += [(body.structured_field(), structured)] if structured is not None else []
+    for field, constraint in checks:
+        try:
+            served.llm.engine.grammar_compiler().compile(constraint)
+        except InvalidRequestError as err:
+            err.field = field  # the name the client sent
+            raise
+    return build(served, body, answer_as, request_id, lora=lora)
+
+
+async def _admit(state: ServerState, served: ServedModel, body, build: Callable,
+                 answer_as: str, request_id: str | None, lora: Adapter | None):
+    """The job of `body` on `served`, built on a worker thread (so `/health` and every
+    stream carry on meanwhile), then queued here on the event loop."""
+    job = await asyncio.to_thread(_build_job, state, served, body, build, answer_as,
+                                  request_id, lora)
+    return job.start()
+
+
+async def _run(state: ServerState, request: Request, body, build: Callable):
+    """Route `body`, admit its job (falling back to another version when the chosen one's
+    queue is full or its engine failed), and answer: a stream, or the whole reply."""
+    adapter = state.find_adapter(body.model) if state.ready else None
+    lora = None if adapter is None else adapter[1]  # `model` names a LoRA adapter
+    model = body.model if adapter is None else adapter[0].entry.name
+    chosen, tried = _route(state, model), set()
+    given_id = request.state.request_id if request.state.request_id_given else None
+    while True:
+        served = chosen.served
+        tried.add(served.pinned_id)
+        answer_as = (state.fleet.public_id(served) if state.fleet.pinned_ids
+                     and lora is None else body.model or served.entry.name)
+        try:
+            job = await _admit(state, served, body, build, answer_as, given_id,
+                               lora or served.adapter)
+            break
+        except RetiredError:  # removed by a reload a moment ago: the new table decides
+            chosen = _route(state, model)
+        except (QueueFullError, EngineDeadError):
+            fallback = state.fleet.router.fallback(chosen)
+            if lora is not None or fallback is None or fallback.served.pinned_id in tried:
+                raise
+            chosen = fallback
+        except ValueError as err:
+            raise APIError(400, str(err), getattr(err, "field", None)) from None
+    state.prometheus.count_route(state.fleet.public_id(served), served.entry.version,
+                                 chosen.reason)
+    request.state.request_id = job.request_id  # the client's, else the body's `id`
+    headers = {"x-jaxserve-model-version": served.pinned_id}
+    if chosen.fallback_from:
+        headers["x-jaxserve-fallback-from"] = chosen.fallback_from
+    if body.stream:
+        return StreamingResponse(job.sse(), media_type="text/event-stream", headers=headers)
+    return JSONResponse(await _unless_disconnected(request, job.collect()), headers=headers)
 
 
 def model_cards(state: ServerState) -> list[dict]:

@@ -21,10 +21,10 @@ from jaxserve.fleet.served_model import ServedModel
 from jaxserve.llm import LLM
 from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.lora.slots import Adapter
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.generation_defaults import read_generation_defaults
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.prometheus import PrometheusMetrics
+from jaxserve.engine.prometheus import PrometheusMetrics
 from jaxserve.tool_calling import ChatParsing
 
 log = logging.getLogger("jaxserve.server")

@@ -9,7 +9,7 @@ the step's tokens (prompts, chunks, decode tokens), and each speculative round f
 current token and then each draft, one token a row, k + 1 times: the last draft too, so that
 when the round accepts every draft the cache already holds it. Rejected drafts' K/V lie past
 the row's length until later tokens overwrite them. A draft that proposes greedily is one
-token with probability 1, which is what the acceptance rule of `jaxserve.speculative.rounds`
+token with probability 1, which is what the acceptance rule of `jaxserve.engine.speculative_rounds`
 is exact for.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.attention import PagedBatch
-from jaxserve.engine.sampler import greedy
+from jaxserve.sampling.sampler import greedy
 from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model import LlamaModel
@@ -54,10 +54,11 @@ def load_draft(spec, target: ModelConfig, dtype, mesh: Mesh, progress: bool) -> 
     return load_weights(folder, config, dtype, progress=progress, mesh=mesh)
 
 
-def propose(draft, attention, caches, current: jax.Array, position: jax.Array,
+def propose(draft, context, caches, current: jax.Array, position: jax.Array,
             active: jax.Array, page_indices: jax.Array, num_seqs, k: int, page_size: int):
     """k greedy drafts per row `[S, k]` and the draft's updated cache. `current [S]` at
-    `position [S]`; rows not `active` write nothing. k + 1 one-token steps in a loop (one
+    `position [S]`; rows not `active` write nothing; `context(batch)`: the draft's
+    `StepContext` for a `PagedBatch`. k + 1 one-token steps in a loop (one
     cache write per layer in the program): the current token, then each draft, the last
     only so that the cache holds it when every draft is accepted."""
     rows = current.shape[0]
@@ -72,8 +73,9 @@ def propose(draft, attention, caches, current: jax.Array, position: jax.Array,
         seen = jnp.minimum(at + 1, columns * page_size)  # no read past the page table
         batch = PagedBatch(slots, jnp.where(valid, seen, 0), page_indices, cu_q_lens, num_seqs,
                            decode_only=True)
-        hidden, caches = draft(token, at, caches, attention.for_step(batch))  # [S, E]
-        token = greedy(draft.logits(hidden))  # [S]
+        out = draft(token, at, caches, context(batch))
+        caches = out.kv_cache
+        token = greedy(draft.logits(out.hidden))  # [S, E] → [S]
         return token, drafts.at[:, j].set(token, mode="drop"), caches
 
     drafts = jnp.zeros((rows, k), jnp.int32)

@@ -19,7 +19,7 @@ hidden state at t - 1), and its output predicts x_{t+1}; its own output before `
 hidden input of the next draft step. Its K/V go to a one-layer pool of its own with the
 target's page ids, as a draft model's do (`jaxserve.speculative.draft`). Step programs run it
 over every prompt token (the target's hidden states of the same step, shifted by one; a
-row's first token of the step has none and gets zeros); `jaxserve.speculative.rounds` feeds
+row's first token of the step has none and gets zeros); `jaxserve.engine.speculative_rounds` feeds
 it, each round, the tokens the last round kept with the target's hidden states from that
 round's verification, then its own drafts.
 """
@@ -41,7 +41,8 @@ import sharding
 
 from jaxserve.attention import PagedBatch
 from jaxserve.loading.hub import resolve_model
-from jaxserve.model.config import ModelConfig, config_from_hf
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.hf_config import config_from_hf
 from jaxserve.model.llama import MLP, Attention, norm, random_param
 from jaxserve.model.quantization import embedding_rows
 from jaxserve.speculative.windows import page_slots

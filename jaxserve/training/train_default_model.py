@@ -39,7 +39,8 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig, RopeConfig
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention
+from jaxserve.reference.dense_attention import DenseAttention
+from jaxserve.model.contract import StepContext
 from jaxserve.training.corpus import DEFAULT_PACKAGE_DIR, paragraphs, read_novels
 from jaxserve.training.export import save_hf_folder
 from jaxserve.training.tokenizer import BOS, EOS, save_tokenizer, train_tokenizer
@@ -105,7 +106,8 @@ def loss_fn(model: LlamaModel, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross entropy (nats/token) over tokens `[B, T+1]`."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)  # [B, T]
-    hidden, _ = model(inputs, positions, [None] * len(model.layers), DenseAttention(positions))
+    hidden = model(inputs, positions, [None] * len(model.layers),
+                   StepContext(DenseAttention(positions))).hidden  # [B, T, E]
     logits = model.logits(hidden)  # [B, T, V]
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

@@ -39,7 +39,8 @@ import optax
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxserve.attention.dense import DenseAttention
+from jaxserve.reference.dense_attention import DenseAttention
+from jaxserve.model.contract import StepContext
 from jaxserve.speculative.eagle3 import Eagle3Config, Eagle3Head
 from jaxserve.training.draft_chains import ChainAttention
 
@@ -101,9 +102,9 @@ def target_states(model, tokens: np.ndarray, aux_layers, batch: int = 32):
     @jax.jit
     def run(chunk):
         positions = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
-        final, _, aux = model(chunk, positions, [None] * model.config.num_layers,
-                              DenseAttention(positions), aux_layers=tuple(aux_layers))
-        return jnp.argmax(model.logits(final), axis=-1).astype(jnp.int32), aux
+        out = model(chunk, positions, [None] * model.config.num_layers,
+                    StepContext(DenseAttention(positions)), aux_layers=tuple(aux_layers))
+        return jnp.argmax(model.logits(out.hidden), axis=-1).astype(jnp.int32), out.aux
 
     labels, states = [], []
     for i in range(0, len(tokens), batch):
@@ -115,7 +116,7 @@ def target_states(model, tokens: np.ndarray, aux_layers, batch: int = 32):
 
 def head_config(target, args, aux_layers) -> tuple[dict, Eagle3Config]:
     """The head's config.json and `Eagle3Config`: the target's attention shape, one layer."""
-    from jaxserve.model.config import config_from_hf
+    from jaxserve.model.hf_config import config_from_hf
 
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
           "hidden_size": target.hidden_size, "intermediate_size": args.intermediate_size,

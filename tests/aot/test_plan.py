@@ -233,8 +233,8 @@ def test_stacked_layers_lower_one_copy_of_the_layer(scan_layers):
     """Why compile time no longer grows with depth: with `scan_layers` the TPU program calls
     the attention kernel (and every other per-layer function, e.g. silu) once, inside the
     scan, whatever the depth; the layer loop calls them once per layer."""
-    from jaxserve.model.config import config_from_hf
-    from jaxserve.engine.config import EngineConfig
+    from jaxserve.model.hf_config import config_from_hf
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.engine.runner import Runner
     from jaxserve.loading.weights import abstract_sharded_model
     import sharding

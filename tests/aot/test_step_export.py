@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.engine.engine import engine_mesh
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.weights import load_weights, shard_model
 from tiny_models import SMALL_ENGINE, build_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.cli.main import build_parser, resolve_model_settings
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.platforms import host_jax_platforms
 from jaxserve.presets import CPU_PRESET, engine_settings, load_preset, shipped_presets
 

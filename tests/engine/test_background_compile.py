@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from jaxserve.engine.background_compile import fits, rungs
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import CompileAfterWarmupError, Runner
 from jaxserve.model.config import load_config

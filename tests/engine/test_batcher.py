@@ -4,9 +4,10 @@ plus the bucket ladders and `SamplingArrays.from_params`."""
 import numpy as np
 import pytest
 
-from jaxserve.engine.batcher import (MAX_DEVICE_STOP_IDS, SamplingArrays, bucket_for,
+from jaxserve.sampling.arrays import SamplingArrays
+from jaxserve.engine.batcher import (MAX_DEVICE_STOP_IDS, bucket_for,
                                      build_step_input)
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams

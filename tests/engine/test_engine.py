@@ -5,15 +5,15 @@ import random
 import numpy as np
 import pytest
 
-from jaxserve.model.dense_generation import DenseGenerator
+from jaxserve.reference.dense_generation import DenseGenerator
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_allocator import page_key
-from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.sampler import SamplingArrays
+from jaxserve.config.engine import EngineConfig
+from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from tiny_models import LADDERS, SMALL_ENGINE, build_model
 
 EOS = 1

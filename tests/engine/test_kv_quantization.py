@@ -18,8 +18,9 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_cache import page_bytes
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import load_config
-from jaxserve.model.dense_generation import DenseGenerator
+from jaxserve.model.hf_config import load_config
+from jaxserve.model.contract import StepContext
+from jaxserve.reference.dense_generation import DenseGenerator
 from sweeps import sweep
 from tiny_models import SMALL_ENGINE
 
@@ -68,7 +69,8 @@ def quantized_dense_greedy(model, prompt, steps, kind, head_scales=None):
     tokens = list(prompt)
     for _ in range(steps):
         ids = jnp.asarray(tokens + [0] * (width - len(tokens)), jnp.int32)
-        hidden, _ = model(ids, jnp.arange(width), [None] * len(model.layers), attention)
+        hidden = model(ids, jnp.arange(width), [None] * len(model.layers),
+                       StepContext(attention)).hidden
         tokens.append(int(jnp.argmax(model.logits(hidden[len(tokens) - 1]))))
     return tokens[len(prompt):]
 
@@ -119,7 +121,7 @@ def calibrated_scales(model, prompt):
         return numpy_causal_attention(q, k, v), cache
 
     ids = jnp.asarray(prompt, jnp.int32)
-    model(ids, jnp.arange(len(prompt)), [None] * len(model.layers), attention)
+    model(ids, jnp.arange(len(prompt)), [None] * len(model.layers), StepContext(attention))
     return [found[i] for i in range(len(model.layers))]
 
 

@@ -8,14 +8,14 @@ import pytest
 from flax import nnx
 
 import sharding
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.memory_budget import (MemoryBudget, abstract_module, largest_buckets,
                                            pages_after_compiling, program_temporaries)
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights, shard_model
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from tiny_models import SMALL_ENGINE
 
 GIB = 2**30

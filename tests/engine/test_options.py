@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.cli.main import build_parser, flag_options
-from jaxserve.engine.config import EngineConfig, option_specs, options_table
+from jaxserve.config.engine import EngineConfig, option_specs, options_table
 from jaxserve.presets import load_preset
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
@@ -64,5 +64,5 @@ def test_preset_field_carries_the_option(spec, tmp_path):
 def test_readme_table_is_the_generated_one():
     assert options_table() in README.read_text(), (
         "README's engine option table differs from EngineConfig; regenerate it with "
-        "jaxserve.engine.config.options_table()")
+        "jaxserve.config.engine.options_table()")
     assert options_table().count("\n") == len(SPECS) + 1

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.output_processor import (OutputProcessor, StreamDelta, logprob_entries,
                                             merge_deltas)
 from jaxserve.engine.page_allocator import PageAllocator

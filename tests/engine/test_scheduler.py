@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler

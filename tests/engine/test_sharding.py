@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 import sharding
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from sweeps import sweep
 from tiny_models import SMALL_ENGINE, build_model
 

@@ -5,12 +5,13 @@ hand-counted cases (no jax programs)."""
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.engine.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.kv_cache import page_bytes, pages_for_memory
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.window_pages import (WindowLayout, WindowPages, window_layout,
+from jaxserve.config.window import WindowLayout
+from jaxserve.engine.window_pages import (WindowPages, window_layout,
                                           window_pool_pages)
 from jaxserve.model.config import ModelConfig
 from jaxserve.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ turn, so a waiting engine's step follows at most one of its steps (an engine alo
 devices keeps two in the pipeline)."""
 
 from jaxserve.fleet.device_turns import DeviceTurns
-from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 
 
 def test_seats_tell_whether_a_device_is_shared():

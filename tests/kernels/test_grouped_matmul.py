@@ -1,6 +1,6 @@
 """The grouped matmul of mixture-of-experts layers on TPU (`pallas_kernels.grouped_matmul`,
 megablox `gmm`, interpret mode here) against `jax.lax.ragged_dot`, and the per-device
-experts (`jaxserve.attention.backend.experts_per_device`) over 4 CPU devices, each expert's
+experts (`jaxserve.model.expert_placement.experts_per_device`) over 4 CPU devices, each expert's
 width split or whole experts split (expert parallelism), against the same mixture with
 ragged_dot on one device."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sharding
-from jaxserve.attention.backend import experts_per_device
+from jaxserve.model.expert_placement import experts_per_device
 from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, mix_experts
 from jaxserve.model.quantization import quantize
 from pallas_kernels.grouped_matmul import grouped_matmul

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from jaxserve.bench import load_bench
 from jaxserve.loading.weights import hf_tensor_map
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 
 E, M, L, V, H, KV = 128, 192, 2, 3000, 4, 2  # hidden, intermediate, layers, vocab, heads
 D = E // H

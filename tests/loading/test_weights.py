@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as save_torch_file
 
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.loading.weights import load_weights, mapped_tensors
 from tiny_models import build_model
 

@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
-from jaxserve.cli.main import build_parser, runtime_lora_updating
-from jaxserve.engine.config import EngineConfig
+from jaxserve.cli.main import build_parser
+from jaxserve.cli.serve_command import runtime_lora_updating
+from jaxserve.config.engine import EngineConfig
 from jaxserve.lora import registry as registry_module
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.registry import AdapterRegistry, LoRACapacityError, LoRAConflictError

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.model.config import config_from_hf, load_config
+from jaxserve.model.hf_config import config_from_hf, load_config
 from jaxserve.model.rope import inverse_frequencies
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`

@@ -18,10 +18,12 @@ import transformers
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.config import ModelConfig, load_config
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.hf_config import load_config
 from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention, empty_dense_cache
+from jaxserve.reference.dense_attention import DenseAttention, empty_dense_cache
+from jaxserve.model.contract import StepContext
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.training.export import save_hf_folder
 from jaxserve.loading.weights import load_weights
@@ -78,8 +80,8 @@ def test_heldout_loss_is_far_below_a_uniform_guess():
     model = load_weights(DEFAULT_MODEL_DIR, cfg, jnp.float32, progress=False)
     tokens = _heldout_windows(257)  # [N, T+1]
     positions = np.broadcast_to(np.arange(256), (len(tokens), 256))  # [N, T]
-    hidden, _ = model(tokens[:, :-1], positions, [None] * cfg.num_layers,
-                      DenseAttention(positions))
+    hidden = model(tokens[:, :-1], positions, [None] * cfg.num_layers,
+                   StepContext(DenseAttention(positions))).hidden
     logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # [N, T, V]
     loss = -float(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean())
     print(f"\nheld-out loss {loss:.3f} nats/token, uniform {math.log(cfg.vocab_size):.3f}")
@@ -132,7 +134,8 @@ def test_save_hf_folder_round_trip(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = np.arange(3, 40, dtype=np.int32)[None]  # [1, T]
     positions = np.arange(ids.shape[1])[None]
-    hidden, _ = model(ids, positions, [None] * cfg.num_layers, DenseAttention(positions))
+    hidden = model(ids, positions, [None] * cfg.num_layers,
+                   StepContext(DenseAttention(positions))).hidden
     with torch.no_grad():
         reference = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(model.logits(hidden), reference, atol=1e-4)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.sampler import SamplingArrays
-from jaxserve.model.dense_generation import DenseGenerator
+from jaxserve.sampling.arrays import SamplingArrays
+from jaxserve.reference.dense_generation import DenseGenerator
 from sweeps import sweep
 from tiny_models import ARCHITECTURES, SMALL_ENGINE, build_model
 

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.checkpoint import convert
-from jaxserve.model.config import (ModelConfig, MoEConfig, WeightQuantization, config_from_hf,
-                                   with_expert_parallel)
+from jaxserve.model.config import ModelConfig, MoEConfig, WeightQuantization, with_expert_parallel
+from jaxserve.model.hf_config import config_from_hf
 from jaxserve.model.moe import SparseMoE, expert_counts, route, route_sigmoid
 from jaxserve.model.quantization import dequantize, quantize
 from tiny_models import (SMALL_ENGINE, build_model, is_router, put_on_grid,

@@ -19,10 +19,11 @@ from jaxserve.default_model import DEFAULT_MODEL_DIR
 from jaxserve.loading.checkpoint import convert, saved_quantization
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
-from jaxserve.model.config import WeightQuantization, load_config, with_quantization
-from jaxserve.model.dense_generation import DenseGenerator
+from jaxserve.model.config import WeightQuantization, with_quantization
+from jaxserve.model.hf_config import load_config
+from jaxserve.reference.dense_generation import DenseGenerator
 from jaxserve.model.quantization import project, quantize, quantize_on_host
-from jaxserve.server.prometheus import PrometheusMetrics
+from jaxserve.engine.prometheus import PrometheusMetrics
 from tiny_models import SMALL_ENGINE, build_model, put_on_grid
 
 PROMPTS = [[0, 5, 9, 22, 7], [0, 3], list(range(10, 31))]

@@ -13,12 +13,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from jaxserve.cli.main import _serve, build_parser
+from jaxserve.cli.main import build_parser
+from jaxserve.cli.serve_command import run_server
 from jaxserve.fleet.fleet import ReloadError
 from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server import auth, state as state_module
 from jaxserve.server.app import create_app
-from jaxserve.server.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.server.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, key_from, warn_if_open
 from jaxserve.server.state import ServerOptions, ServerState
 
@@ -138,7 +139,7 @@ def test_serve_reads_both_keys_from_the_environment(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
     monkeypatch.setenv("JAXSERVE_ADMIN_API_KEY", "from-admin-env")
     with pytest.raises(Stop):
-        _serve(build_parser().parse_args(["serve", "--port", "0"]))
+        run_server(build_parser().parse_args(["serve", "--port", "0"]))
     assert (given[0].api_key, given[0].admin_api_key) == ("from-vllm-env", "from-admin-env")
 
 

@@ -329,7 +329,7 @@ def test_the_devices_option_places_an_engines_mesh():
     """`devices` picks local devices for the mesh (conftest gives 8 host devices)."""
     import jax
 
-    from jaxserve.engine.config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.engine.engine import engine_mesh
 
     mesh = engine_mesh(EngineConfig(devices=(3, 5), tensor_parallel_size=2))

@@ -19,8 +19,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention.dense import DenseAttention
-from jaxserve.model.config import config_from_hf
+from jaxserve.reference.dense_attention import DenseAttention
+from jaxserve.model.hf_config import config_from_hf
 from tiny_models import SMALL_ENGINE, VOCAB
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, DRAFT_VOCAB = 64, 4, 2, 16, 96, 200
@@ -116,7 +116,7 @@ def spec_config(folder, **extra):
 
 def test_loaded_head_equals_the_numpy_transcription(folder, head_folder):
     from jaxserve.speculative import eagle3
-    from jaxserve.speculative.config import SpeculativeConfig
+    from jaxserve.config.speculative import SpeculativeConfig
 
     path, tensors = head_folder
     target = config_from_hf(json.loads((folder / "config.json").read_text()))

@@ -1,13 +1,13 @@
 """The n-gram proposer and the acceptance arithmetic, against hand-built cases and a plain
 Python statement of vLLM's prompt-lookup rule (`jaxserve.speculative.ngram`,
-`jaxserve.speculative.rounds.acceptance`)."""
+`jaxserve.engine.speculative_rounds.acceptance`)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.speculative.ngram import NO_DRAFT, propose
-from jaxserve.speculative.rounds import acceptance
+from jaxserve.engine.speculative_rounds import acceptance
 
 pytestmark = pytest.mark.quick  # seconds, no engine: `pytest -m quick`
 

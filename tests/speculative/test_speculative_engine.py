@@ -19,7 +19,7 @@ import transformers
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.server.prometheus import PrometheusMetrics
+from jaxserve.engine.prometheus import PrometheusMetrics
 from tiny_models import SMALL_ENGINE
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -242,7 +242,7 @@ def test_a_draft_of_another_vocabulary_is_refused(folder, tmp_path):
 
 
 def test_disable_by_batch_size_picks_programs_per_rung():
-    from jaxserve.engine.config import EngineConfig
+    from jaxserve.config.engine import EngineConfig
 
     config = EngineConfig(max_num_seqs=16, seq_buckets=(1, 2, 4, 8, 16),
                           speculative_config={"method": "ngram", "num_speculative_tokens": 2,

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable, ContextManager, Protocol
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_processor import StreamDelta, merge_deltas
@@ -23,10 +23,16 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.lora.slots import Adapter
 
-if TYPE_CHECKING:
-    from jaxserve.fleet.device_turns import Seat
-
 log = logging.getLogger("jaxserve.server")
+
+
+class Seat(Protocol):
+    """What the engine asks of its seat on devices other engines may share
+    (`jaxserve.fleet.device_turns.Seat`)."""
+
+    def turn(self) -> ContextManager[None]: ...
+
+    def shared(self) -> bool: ...
 
 
 class QueueFullError(RuntimeError):

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine.batcher import SamplingArrays
+from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 

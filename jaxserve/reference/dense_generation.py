@@ -17,8 +17,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import LlamaModel
-from jaxserve.attention.dense import DenseAttention, empty_dense_cache
-from jaxserve.engine.sampler import sample
+from jaxserve.reference.dense_attention import DenseAttention, empty_dense_cache
+from jaxserve.model.contract import StepContext
+from jaxserve.sampling.sampler import sample
 from pallas_kernels import kv_quant
 
 MIN_PROMPT_BUCKET = 16
@@ -35,7 +36,7 @@ class DenseGenerator:
     def __init__(self, model: LlamaModel, kv_cache_dtype: str = "auto",
                  head_scales: jax.Array | None = None):
         """`kv_cache_dtype`: keys and values read back as that KV cache holds them, fp8 with
-        `head_scales` `[L, 2, Hkv]` (`jaxserve.attention.dense`)."""
+        `head_scales` `[L, 2, Hkv]` (`jaxserve.reference.dense_attention`)."""
         self.config = model.config
         self.kv_cache_dtype = kv_cache_dtype
         self.head_scales = head_scales
@@ -51,8 +52,8 @@ class DenseGenerator:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
         attention = DenseAttention.of_model(self.config, positions, self.kv_cache_dtype,
                                             self.head_scales)
-        hidden, caches = model(tokens, positions, caches, attention)  # [B, T, E]
-        return model, hidden, caches
+        out = model(tokens, positions, caches, StepContext(attention))
+        return model, out.hidden, out.kv_cache  # [B, T, E], ...
 
     def _empty_caches(self, batch, cache_len):
         cfg = self.config
@@ -95,8 +96,9 @@ class DenseGenerator:
             current = tokens[jnp.arange(batch), count - 1]  # [B]
             attention = DenseAttention.of_model(self.config, position[:, None],
                                                 self.kv_cache_dtype, self.head_scales)
-            hidden, caches = model(current[:, None], position[:, None], caches, attention)
-            new = sample(model.logits(hidden[:, 0]), arrays, position + 1)  # [B]
+            out = model(current[:, None], position[:, None], caches, StepContext(attention))
+            caches = out.kv_cache
+            new = sample(model.logits(out.hidden[:, 0]), arrays, position + 1)  # [B]
             tokens = tokens.at[jnp.arange(batch), count].set(jnp.where(done, 0, new))
             count = jnp.where(done, count, count + 1)
             done = done | is_stop(new) | (count >= max_new)
@@ -125,7 +127,7 @@ class DenseGenerator:
                 layer_index, q, k, v, layer_cache, **sinks)
 
         model = nnx.merge(self.graphdef, self.state)
-        model(tokens, positions, self._empty_caches(1, len(prompt)), attention)
+        model(tokens, positions, self._empty_caches(1, len(prompt)), StepContext(attention))
         return scales
 
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:

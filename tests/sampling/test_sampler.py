@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.batcher import SamplingArrays
-from jaxserve.engine.sampler import (TokenCounts, _rank_filtered, allowed_tokens, sample,
+from jaxserve.sampling.arrays import SamplingArrays
+from jaxserve.sampling.sampler import (TokenCounts, _rank_filtered, allowed_tokens, sample,
                                      sample_with_logprobs, target_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.sampling_params import SamplingParams

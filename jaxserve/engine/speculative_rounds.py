@@ -1,7 +1,9 @@
-"""The speculative decode loop, traced into the runner's "spec" program (one per row bucket).
+"""The speculative decode loop, traced into the runner's "spec" program (one per row bucket;
+`jaxserve.engine.programs`).
 
 Each round, for every row at once, in one device program with no host round trip:
-1. propose: up to k drafts from the row's token history (`ngram.propose`);
+1. propose: up to k drafts (the `drafter`'s: n-gram lookup over the row's token history, a
+   draft model, an EAGLE-3 head; `jaxserve.speculative.drafters`);
 2. verify: one forward over the row's current token and its drafts (k + 1 positions, a
    ragged batch through the attention backend, K/V written for all of them);
 3. accept: sample a token at every position with the row's own settings, keyed by (seed,
@@ -35,13 +37,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.batcher import StepInput
-from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.sampler import (SampleResult, TokenCounts, penalized_rows,
-                                     sample_with_logprobs)
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.device_loop import empty_samples, loop_until_done
+from jaxserve.sampling.sampler import TokenCounts, penalized_rows, sample_with_logprobs
 from jaxserve.speculative import ngram
-from jaxserve.speculative import eagle3
-from jaxserve.speculative.draft import propose as propose_with_draft
+from jaxserve.speculative.drafters import Drafter
 from jaxserve.speculative.windows import RaggedWindow
 
 
@@ -75,16 +75,16 @@ def acceptance(sampled: jax.Array, drafts: jax.Array, stop_ids: jax.Array,
     return accepted, kept, stopped
 
 
-def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Array,
-                       num_rounds: jax.Array, config: EngineConfig, vocab: int, draft=None,
-                       load: jax.Array | None = None):
+def speculative_rounds(model, context, inp: StepInput, caches, current: jax.Array,
+                       num_rounds: jax.Array, config: EngineConfig, vocab: int,
+                       drafter: Drafter, load: jax.Array | None = None):
     """Up to `num_rounds` rounds for the rows of a decode-only `inp` (one token per row,
-    `current [S]`, at `inp.positions`). `draft`: (draft model, its attention backend) with
-    `caches` then (target's, draft's), else the n-gram lookup proposes. Returns the kept
-    tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R = `num_decode_steps`), how many
-    each row kept `[S]`, `DraftCounts`, the cache(s), each row's newest token `[S]`, and
-    `load` (a mixture-of-experts target's expert load `[L, X]`, None for a dense one) plus
-    the pairs the verifications ran."""
+    `current [S]`, at `inp.positions`), `drafter` proposing (`caches` as its `split` takes
+    them); `context(batch)`: the `StepContext` of a forward over a `PagedBatch`. Returns the
+    kept tokens (`SampleResult` of `[S, R * (k + 1)]` fields, R = `num_decode_steps`), how
+    many each row kept `[S]`, `DraftCounts`, the cache(s), each row's newest token `[S]`,
+    and `load` (a mixture-of-experts target's expert load `[L, X]`, None for a dense one)
+    plus the pairs the verifications ran."""
     spec = config.speculative_config
     k, page_size, limit = spec.num_speculative_tokens, config.page_size, config.max_model_len
     width = k + 1
@@ -97,11 +97,6 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
     history = inp.history.at[row, inp.positions].set(current)  # [S, L], current included
     counts = TokenCounts.from_history(history, inp.prompt_lens, vocab, inp.sampling)
     capacity = config.num_decode_steps * width
-    out = SampleResult(  # [S, R * W] per field (+ [MAX_LOGPROBS] for the top lists)
-        tokens=jnp.zeros((rows, capacity), jnp.int32),
-        logprob=jnp.zeros((rows, capacity), jnp.float32),
-        top_ids=jnp.zeros((rows, capacity, MAX_LOGPROBS), jnp.int32),
-        top_logprobs=jnp.zeros((rows, capacity, MAX_LOGPROBS), jnp.float32))
     stats = DraftCounts(jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
                         jnp.zeros((rows, k), jnp.int32))
     # draft positions sample without penalties or masks (rows with either never draft)
@@ -110,24 +105,22 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
                                repetition=jnp.ones_like(inp.sampling.repetition),
                                constrained=jnp.zeros_like(inp.sampling.constrained))
     free = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), free)  # [S * k] rows
-    head = draft[0] if draft is not None and isinstance(draft[0], eagle3.Eagle3Head) else None
-    aux_layers = () if head is None else head.eagle.aux_layer_ids
 
     def verify(position, window, done, caches, counts, load):
         """Forward over `window [S, W]` (current token, drafts) at `position [S]` on; the
-        token sampled at each of its positions (`SampleResult` of `[S, W]` fields), and for
-        an EAGLE head the target's joined hidden states at them `[S, W, E]`."""
+        token sampled at each of its positions (`SampleResult` of `[S, W]` fields), the
+        target's `aux_layers` inputs for the drafter `[T, n E]` (None: it reads none) and
+        the verification's `RaggedWindow`."""
         q_lens = jnp.where(valid, jnp.sum(window >= 0, axis=1), 0)  # [S] drafts are leading
         at = position[:, None] + col[None, :]  # [S, W]
         ragged = RaggedWindow.of(q_lens, at, ~done[:, None], inp.page_indices, inp.num_seqs,
                                  page_size, inp.window_page_indices)
         out = model(ragged.flat(jnp.maximum(window, 0), 0), ragged.flat(at, 0), caches,
-                    attention.for_step(ragged.batch), aux_layers=aux_layers,
-                    count_experts=load is not None)  # [T, E], ...
-        hidden, caches = out[:2]
+                    context(ragged.batch), aux_layers=drafter.aux_layers,
+                    count_experts=load is not None)
+        hidden, caches, aux = out.hidden, out.kv_cache, out.aux  # [T, E], ..., [T, n E]
         if load is not None:
-            load = load + out[-1]  # [L, X]
-        joined = None if head is None else ragged.per_column(head.joined(out[2]))
+            load = load + out.expert_load  # [L, X]
         # one logits matmul for every position: the vocabulary's weights are read once
         logits = model.logits(ragged.per_column(hidden).reshape(tokens, -1))
         logits = logits.reshape(rows, width, -1)  # [S, W, V]
@@ -138,35 +131,18 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
         sampled = jax.tree.map(
             lambda a, b: jnp.concatenate([a[:, None], b.reshape(rows, k, *b.shape[1:])], 1),
             first, rest)
-        return sampled, caches, joined, load
+        return sampled, caches, aux, ragged, load
 
-    def cond(carry):
-        step, _, _, done, *_ = carry
-        return (step < num_rounds) & ~jnp.all(done)
-
-    def body(carry):
-        (step, out, count, done, current, position, history, counts, stats, caches,
-         pending, load) = carry
+    def body(step, done, carry):
+        out, count, current, position, history, counts, stats, caches, drafted, load = carry
         remaining = inp.max_new - count  # [S] tokens the row may still keep
-        if draft is None:
-            drafts = ngram.propose(history, position + 1, k, spec.prompt_lookup_min,
-                                   spec.prompt_lookup_max, limit)  # [S, k]
-        elif head is not None:
-            caches, draft_caches = caches
-            drafts, draft_caches = eagle3.propose(
-                head, draft[1], model, draft_caches, pending, k, position, valid & ~done,
-                inp.page_indices, inp.num_seqs, page_size)
-        else:
-            caches, draft_caches = caches
-            drafts, draft_caches = propose_with_draft(
-                *draft, draft_caches, current, position, valid & ~done, inp.page_indices,
-                inp.num_seqs, k, page_size)
+        drafts, drafted = drafter.propose(model, drafted, inp, history, current, position,
+                                          valid & ~done)  # [S, k]
         may_draft = drafting[:, None] & ~done[:, None] & (col[None, 1:] < remaining[:, None])
         drafts = jnp.where(may_draft, drafts, ngram.NO_DRAFT)
         window = jnp.concatenate([current[:, None], drafts], axis=1)  # [S, W]
-        sampled, caches, joined, load = verify(position, window, done, caches, counts, load)
-        if draft is not None:
-            caches = (caches, draft_caches)
+        sampled, caches, aux, ragged, load = verify(position, window, done, caches, counts,
+                                                    load)
         accepted, kept, stopped = acceptance(sampled.tokens, drafts, inp.stop_ids, remaining,
                                              done)
         keep = col[None, :] < kept[:, None]  # [S, W]
@@ -183,26 +159,15 @@ def speculative_rounds(model, attention, inp: StepInput, caches, current: jax.Ar
                                       & (proposed > 0)[:, None]).astype(jnp.int32))
         newest = sampled.tokens[row, jnp.maximum(kept - 1, 0)]
         current = jnp.where(kept > 0, newest, current)
-        count = count + kept
-        if head is not None:  # the head reads the kept tokens with the target's states next
-            pending = jax.tree.map(
-                lambda new, old: jnp.where((kept > 0).reshape(-1, *[1] * (new.ndim - 1)),
-                                           new, old),
-                eagle3.Pending(sampled.tokens, joined, kept), pending)
-        return (step + 1, out, count, done | stopped, current, position + kept, history,
-                counts, stats, caches, pending, load)
+        drafted = drafter.follow_round(drafted, sampled.tokens, aux, ragged, kept)
+        return stopped, (out, count + kept, current, position + kept, history, counts, stats,
+                         caches, drafted, load)
 
-    done = ~valid | (inp.max_new <= 0)
-    pending = state = None
-    if head is not None:  # the head's pool, and what the last program left it to read
-        target_caches, (head_pool, state) = caches
-        pending = state.pending(inp.token_source[:rows], current, width)
-        caches = (target_caches, head_pool)
-    carry = (jnp.int32(0), out, jnp.zeros((rows,), jnp.int32), done, current,
-             inp.positions[:rows], history, counts, stats, caches, pending, load)
-    _, out, count, _, current, _, _, _, stats, caches, pending, load = jax.lax.while_loop(
-        cond, body, carry)
-    if head is not None:
-        target_caches, head_pool = caches
-        caches = (target_caches, (head_pool, state.stored(pending)))
+    caches, own = drafter.split(caches)
+    carry = (empty_samples(rows, capacity), jnp.zeros((rows,), jnp.int32), current,
+             inp.positions[:rows], history, counts, stats, caches,
+             drafter.rounds_begin(own, inp, current, width), load)
+    out, count, current, _, _, _, stats, caches, drafted, load = loop_until_done(
+        num_rounds, body, ~valid | (inp.max_new <= 0), carry)
+    caches = drafter.join(caches, drafter.rounds_end(drafted, own))
     return out, count, stats, caches, current, load

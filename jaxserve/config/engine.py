@@ -14,7 +14,7 @@ from typing import Any
 
 from pallas_kernels.limits import (KV_CACHE_DTYPE_NAMES, SUPPORTED_PAGE_SIZES,
                                    check_kv_cache_dtype)
-from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
