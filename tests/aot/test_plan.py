@@ -62,6 +62,21 @@ def tiny(tmp_path_factory):
     return folder
 
 
+def tiny_moe_on_four_chips(tmp_path: Path, width: int, platform: str = "tpu",
+                           accelerator: str = "v6e") -> tuple[Path, Path]:
+    """A config-only Qwen3-MoE (8 experts of `width` columns) and a preset of 4 devices of
+    `accelerator`: (model folder, preset file)."""
+    model = tmp_path / "moe"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        **TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": width}))
+    preset = tmp_path / f"{platform}.toml"
+    preset.write_text(PRESET.format(platform=platform, accelerator=accelerator).replace(
+        "devices = 1", "devices = 4"))
+    return model, preset
+
+
 def tiny_weight_bytes() -> int:
     e, i, v, hq, hkv, d, layers = (TINY[k] for k in (
         "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
@@ -386,14 +401,8 @@ def test_a_failing_plan_of_experts_split_column_wise_suggests_expert_parallelism
     pool of 10 million pages, more than a chip holds): the reason says each chip holds a
     128-column slice of every expert (512 / 4) and names expert parallelism; with it, the
     same plan's reason does not."""
-    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
-    (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
-        "devices = 1", "devices = 4"))
-    argv = ("--config", preset, "--model", tmp_path / "moe", "--tensor-parallel-size", 4,
+    model, preset = tiny_moe_on_four_chips(tmp_path, 512)
+    argv = ("--config", preset, "--model", model, "--tensor-parallel-size", 4,
             "--num-pages", 10**7, "--buckets", "largest")
     code, plan = run_plan(*argv)
     assert code == 1 and plan["fits"] is False
@@ -413,14 +422,8 @@ def test_experts_split_column_wise_are_read_in_place_on_tpu(tmp_path, monkeypatc
     without (the defect put back), the decode loop copies two."""
     if not pinned:
         monkeypatch.setattr("jaxserve.engine.weight_layouts.PINNED_PLATFORMS", ())
-    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384}
-    (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(PRESET.format(platform="tpu", accelerator="v6e").replace(
-        "devices = 1", "devices = 4"))
-    code, plan = run_plan("--config", preset, "--model", tmp_path / "moe",
+    model, preset = tiny_moe_on_four_chips(tmp_path, 384)
+    code, plan = run_plan("--config", preset, "--model", model,
                           "--tensor-parallel-size", 4, "--no-enable-expert-parallel",
                           "--buckets", "largest")
     assert code == 0, plan["reason"]
@@ -435,19 +438,13 @@ def test_expert_parallelism_is_chosen_on_tpu_for_experts_narrower_than_the_lanes
     would not be whole 128-lane tiles (384 / 4 = 96 columns) and stays off when they would
     (512 / 4 = 128); the same 384-wide model on a GPU keeps its slices, and an explicit
     `--no-enable-expert-parallel` is obeyed."""
-    moe = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": width}
-    (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
-    for platform, accelerator in (("tpu", "v6e"), ("gpu", "h100")):
-        (tmp_path / f"{platform}.toml").write_text(PRESET.format(
-            platform=platform, accelerator=accelerator).replace("devices = 1", "devices = 4"))
-    argv = ("--model", tmp_path / "moe", "--tensor-parallel-size", 4, "--buckets", "largest")
-    code, plan = run_plan("--config", tmp_path / "tpu.toml", *argv)
+    model, tpu = tiny_moe_on_four_chips(tmp_path, width)
+    _, gpu = tiny_moe_on_four_chips(tmp_path, width, "gpu", "h100")
+    argv = ("--model", model, "--tensor-parallel-size", 4, "--buckets", "largest")
+    code, plan = run_plan("--config", tpu, *argv)
     assert code == 0 and plan["expert_parallel"] is chosen
     if chosen:
-        code, plan = run_plan("--config", tmp_path / "tpu.toml", *argv,
-                              "--no-enable-expert-parallel")
+        code, plan = run_plan("--config", tpu, *argv, "--no-enable-expert-parallel")
         assert code == 0 and plan["expert_parallel"] is False
-        code, plan = run_plan("--config", tmp_path / "gpu.toml", *argv)
+        code, plan = run_plan("--config", gpu, *argv)
         assert code == 0 and plan["expert_parallel"] is False
