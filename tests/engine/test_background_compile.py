@@ -10,7 +10,7 @@ from jaxserve.engine.background_compile import fits, rungs
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.runner import CompileAfterWarmupError, Runner
-from jaxserve.model.config import load_config
+from jaxserve.model.hf_config import load_config
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_weights
 from jaxserve.sampling_params import SamplingParams
