@@ -121,7 +121,7 @@ def run_startup(add: Callable[[dict], None], quick: bool, deadline: float) -> No
         # a cold start compiles the whole ladder: on a loaded 2-core CPU that is minutes
         timeout = 900.0 if quick else max(180.0, deadline - time.perf_counter())
         args = argparse.Namespace(model=str(folder), config=preset_for(jax.devices()[0]),
-                                  timeout=timeout)
+                                  timeout=timeout, server_flags="")
         env = {**{k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"},
                "JAXSERVE_CACHE_DIR": str(Path(scratch) / "cache"),
                "XLA_PYTHON_CLIENT_MEM_FRACTION": STARTUP_GPU_MEM_FRACTION}

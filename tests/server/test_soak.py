@@ -31,6 +31,13 @@ KINDS = ("plain", "stream", "n2", "stop", "chat", "leave", "malformed", "long")
 SHARED_PREFIX = list(range(40, 120))  # long prompts share it: prefix-cache hits
 
 
+
+def all_programs_landed(url: str) -> bool:
+    """Whether `/health` says every model is ready (no longer warming: `serve` answers
+    while the larger buckets still compile in the background)."""
+    body = httpx.get(f"{url}/health").json()
+    return all(state == "ready" for state in body["models"].values())
+
 def request_for(rng: random.Random) -> tuple[str, str, dict | bytes, int]:
     """(kind, path, body, expected completion tokens; -1: at most max_tokens)."""
     kind = rng.choice(KINDS)
@@ -136,7 +143,9 @@ def test_two_rounds_of_mixed_load_leave_nothing_behind(tmp_path):
                                 "--served-model-name", "soak",
                                 "--max-waiting-requests", str(MAX_WAITING),
                                 "--log-level", "warning")
-    try:
+    try:  # the rounds load a warm server: every bucket's program has landed
+        wait_until(lambda: all_programs_landed(url), 600, "the programs did not all land",
+                   interval=0.5)
         rss = []
         for seed in (1, 2):
             outcomes = asyncio.run(soak_round(url, seed))
