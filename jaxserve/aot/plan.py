@@ -134,13 +134,14 @@ def compile_program(jitted, args, name: str, tokens: int, seqs: int, kv_cache_by
     report.peak_bytes = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                             - memory.alias_size_in_bytes + memory.temp_size_in_bytes
                             + memory.generated_code_size_in_bytes)
-    found = cache_audit.audit(compiled, pools or PagePools((), ()), kv_cache_bytes)
+    text = compiled.as_text()  # printed once for the three audits
+    found = cache_audit.audit(compiled, pools or PagePools((), ()), kv_cache_bytes, text)
     report.cache_donated = found.donated
     report.cache_copies = found.copies
     report.cache_whole_pool_ops = found.whole_pool_ops
     report.cache_staged = found.staged
-    report.weight_copies = weight_layouts.weight_copies(compiled.as_text(), args[0])
-    report.collectives = collectives(compiled.as_text())
+    report.weight_copies = weight_layouts.weight_copies(text, args[0])
+    report.collectives = collectives(text)
     return report
 
 

@@ -140,9 +140,12 @@ def pool_instructions(hlo_text: str, pools: PagePools) -> list[str]:
             if (element, shape[0], math.prod(shape)) in sizes and opcode not in _PASS_THROUGH]
 
 
-def audit(compiled: jax.stages.Compiled, pools: PagePools, cache_bytes: int) -> CacheAudit:
-    """`CacheAudit` of a compiled program; `cache_bytes`: the cache's bytes on one device."""
-    found = pool_instructions(compiled.as_text(), pools)
+def audit(compiled: jax.stages.Compiled, pools: PagePools, cache_bytes: int,
+          hlo_text: str | None = None) -> CacheAudit:
+    """`CacheAudit` of a compiled program; `cache_bytes`: the cache's bytes on one device;
+    `hlo_text`: its `as_text()`, when the caller has it already (a large program's text
+    takes a while to print)."""
+    found = pool_instructions(hlo_text or compiled.as_text(), pools)
     donated = compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
     staged = found.count("copy-done")
     computed = len(found) - staged
