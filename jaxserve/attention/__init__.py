@@ -55,11 +55,16 @@ def make_backend(config: EngineConfig, model: ModelConfig, mesh: Mesh, num_pages
     backend); `window`: the window pool of hybrid KV memory, if any."""
     platform = platform or jax.default_backend()
     name = backend_name(config.attention_backend, platform)
+    if config.enable_deterministic_inference and name != "cpu":
+        raise ValueError("enable_deterministic_inference needs the cpu attention backend "
+                         f"(attention_backend 'auto' on CPU, or 'cpu'); got {name!r} on "
+                         f"{platform}: the Pallas kernels have no fixed-order mode yet")
     soft_cap = None if model.gemma is None else model.gemma.attn_logit_softcap
     return BACKENDS[name](page_size=config.page_size, windows=model.layer_windows,
                           soft_cap=soft_cap, mesh=mesh,
                           pages_per_layer=num_pages if scan_layers else None,
                           window_layers=() if window is None else window.layers,
+                          fixed_order=config.enable_deterministic_inference,
                           window_pages_per_layer=(window.num_pages if scan_layers and window
                                                   else None))
 

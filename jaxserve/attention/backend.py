@@ -75,6 +75,8 @@ class AttentionBackend:
     pages_per_layer)`; None: per-layer caches only. `window_layers`: the layers whose pages
     are in the window pool (hybrid KV memory, `jaxserve.engine.window_pages`), addressed by
     the batch's window tables; a stack of them has `window_pages_per_layer` a layer.
+    `fixed_order` (`enable_deterministic_inference`): each token's sums in an order that
+    nothing else in the step changes.
     """
 
     page_size: int
@@ -84,6 +86,7 @@ class AttentionBackend:
     pages_per_layer: int | None = None
     window_layers: tuple[int, ...] = ()
     window_pages_per_layer: int | None = None
+    fixed_order: bool = False  # deterministic inference: batch-invariant sums (cpu only)
     name: ClassVar[str] = ""
 
     # ---- what a backend provides ---------------------------------------------------------

@@ -4,7 +4,8 @@ mode is far too slow to serve from. A step's metadata is `cpu_step.plan_step` (w
 is what, the masks), built once per step and shared by every layer; the decode loop runs it
 once per loop step. Everything CPU-specific in jaxserve lives in this backend, including
 one process setting for XLA:CPU's memory (`reuse_freed_memory`, applied when the backend is
-built).
+built). With `fixed_order` (deterministic inference) every token attends through
+`cpu_fixed_order` instead.
 
 Measured on the 60M bench model (2 cores, float32, one prompt of 128 tokens then 128 new;
 32 such at once): gathering each decode loop's context once and carrying it through the loop
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxserve.attention import cpu_step
 from jaxserve.attention.backend import AttentionBackend, PagedBatch
+from jaxserve.attention.cpu_fixed_order import fixed_order_attention
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_write import write_kv
 
@@ -52,6 +54,9 @@ class CpuBackend(AttentionBackend):
         if k_pages.dtype != k.dtype:  # quantized pages: the step's own keys as they are stored
             k, v = kv_quant.round_trip(k, k_pages.dtype), kv_quant.round_trip(v, v_pages.dtype)
         plan = metadata[self.distinct_windows.index(window)]
+        if self.fixed_order:
+            out = fixed_order_attention(q, k_pool, v_pool, page_indices, plan, sinks)
+            return out, layer_cache
         out = cpu_step.ragged_attention(q, k, v, k_pool, v_pool, page_indices, plan, sinks)
         return out, layer_cache
 

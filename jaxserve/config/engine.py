@@ -18,6 +18,8 @@ from jaxserve.config.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
+# vLLM's switch for batch-invariant inference, read when enable_deterministic_inference is unset
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora")
 
 
@@ -112,6 +114,10 @@ class EngineConfig:
                                   choices=KV_CACHE_DTYPE_NAMES)
     calculate_kv_scales: bool = _option(False, "kv_cache", "with fp8 pages: calibrate "
                                         "scales from the first step's tokens, not 1")
+    enable_deterministic_inference: bool | None = _option(
+        None, "compile", "a request's tokens and log-probabilities bitwise the same alone or "
+        "in any batch, chunked, after a prefix-cache hit or preemption (docs/determinism.md; "
+        "slower; default: on when VLLM_BATCH_INVARIANT=1)")
     speculative_config: SpeculativeConfig | dict | None = _option(
         None, "speculative", "speculative decoding, vLLM's keys: method (ngram, "
         "draft_model, eagle3), num_speculative_tokens, prompt_lookup_min/max, model (the "
@@ -130,6 +136,9 @@ class EngineConfig:
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.enable_deterministic_inference is None:
+            object.__setattr__(self, "enable_deterministic_inference",
+                               os.environ.get(BATCH_INVARIANT_ENV, "0") == "1")
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                   SpeculativeConfig):
             object.__setattr__(self, "speculative_config",

@@ -82,7 +82,7 @@ from jaxserve.platforms import platform as platform_traits
 from jaxserve.sampling.sampler import SampleResult, TargetLogprobs
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.stacks import slot_stacks, write_slot
-from jaxserve.model import LlamaModel
+from jaxserve.model import LlamaModel, fixed_order
 from jaxserve.model.expert_placement import expert_mixture
 from jaxserve.model.lora import LORA_MODULES
 from jaxserve.speculative import eagle3
@@ -276,6 +276,8 @@ class Runner:
         the weights' leaves (in `weight_layouts`), the KV cache (donated), the packed inputs,
         the token history, the grammar bitmasks and the previous step's sampled tokens."""
         function, out_shardings = self._programs[kind]
+        if self.config.enable_deterministic_inference:
+            function = fixed_order.traced_with_row_tiles(function)
         jitted = jax.jit(functools.partial(function, self._layout(kind, tokens, rows)),
                          donate_argnums=(1,), out_shardings=out_shardings)
         args = self._arguments(kind, tokens, rows)
@@ -306,6 +308,8 @@ class Runner:
         kind, tokens, rows = min((b for b in self.bucket_programs() if b[0] != "step"),
                                  key=lambda b: b[2])
         function, out_shardings = self._programs[kind]
+        if self.config.enable_deterministic_inference:
+            function = fixed_order.traced_with_row_tiles(function)
         try:
             return weight_layouts.chosen_layouts(
                 functools.partial(function, self._layout(kind, tokens, rows)), out_shardings,
@@ -327,7 +331,8 @@ class Runner:
         return {"program": (kind, tokens, rows), "model": repr(self.model_config),
                 "draft": draft,
                 "options": {"max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-                            "num_decode_steps": cfg.num_decode_steps, "speculative": spec},
+                            "num_decode_steps": cfg.num_decode_steps, "speculative": spec,
+                            "deterministic": cfg.enable_deterministic_inference},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
                 "window_layers": self.attention.window_layers,
                 "weight_layouts": [str(layout) for layout in self.weight_layouts()],

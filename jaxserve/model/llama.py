@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model import fixed_order
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.contract import AttentionFn, ExpertMixture, ModelOutput, StepContext
 from jaxserve.model.lora import LoRABatch, add_delta
@@ -90,6 +91,9 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(initial, logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return fixed_order.rowwise(self._normed, x)
+
+    def _normed(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.gemma:

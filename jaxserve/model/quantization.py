@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.model import fixed_order
 from jaxserve.model.config import ModelConfig, WeightQuantization
 from pallas_kernels import absmax
 
@@ -124,7 +125,13 @@ def project(spec: str, x: jax.Array, kernel: jax.Array, scale: jax.Array | None,
             quant: WeightQuantization | None) -> jax.Array:
     """`jnp.einsum(spec, x, weight)` for a kernel stored plainly (`scale` None) or quantized.
     The kernel's output axes must be the result's last axes (as every projection here has),
-    so the scale broadcasts onto them; x's contracted axis is its last."""
+    so the scale broadcasts onto them; x's contracted axis is its last. Traced under
+    deterministic inference (`fixed_order.row_tile`), a fixed number of rows at a time."""
+    return fixed_order.rowwise(lambda rows: _project(spec, rows, kernel, scale, quant), x)
+
+
+def _project(spec: str, x: jax.Array, kernel: jax.Array, scale: jax.Array | None,
+             quant: WeightQuantization | None) -> jax.Array:
     if scale is None:
         return jnp.einsum(spec, x, kernel)
     if not quant.activations:

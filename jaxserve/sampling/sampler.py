@@ -22,10 +22,12 @@ them with every token it samples.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model import fixed_order
 from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import MAX_LOGPROBS
 
@@ -121,7 +123,8 @@ def apply_grammar(logits: jax.Array, arrays: SamplingArrays, allowed: jax.Array)
 def scored(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of `tokens [N]` under `logits [N, V]`, and the `MAX_LOGPROBS` most
     likely tokens' (ids `[N, MAX_LOGPROBS]` int32, log-probabilities `[N, MAX_LOGPROBS]`)."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
+    logprobs = fixed_order.rowwise(functools.partial(jax.nn.log_softmax, axis=-1),
+                                   logits)  # [N, V]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [N]
     return chosen, top_ids.astype(jnp.int32), top_logprobs
