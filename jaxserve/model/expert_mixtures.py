@@ -31,6 +31,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model import fixed_order
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +255,11 @@ def default_mixture(x, weights, experts, kernels: ExpertKernels, first_expert=0,
       expert's rows, of: 2m and, while m < 16 (small buckets, whose groups spread widely
       around their mean), 4m, where m = ceil(R / X) is the rows an expert gets on average;
       then T (no expert gets a token twice, so T holds any routing) where X' * T rows are
-      no more than 2R; else `blocked_mixture`. `lax.switch` runs only the branch taken."""
+      no more than 2R; else `blocked_mixture`. `lax.switch` runs only the branch taken.
+    Under deterministic inference (`fixed_order`): always `gathered_mixture`, whose products
+    have the same shape whatever the routing."""
+    if fixed_order.row_tile() is not None:
+        return gathered_mixture(x, weights, experts, kernels, first_expert)
     tokens, top_k = experts.shape
     all_experts = kernels.num_experts * expert_shards
     if experts.size * 4 <= all_experts:

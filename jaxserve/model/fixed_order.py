@@ -9,7 +9,8 @@ a fixed number of rows (`ROW_TILE`), one tile after another (`lax.map`): each to
 is always the same shape's, whatever else the step holds. The rows are padded to whole tiles.
 Row reductions (a norm's mean, a log-softmax's sum) are the same: XLA:CPU vectorizes them
 across rows or along a row depending on how many rows there are, so they go by tiles too
-(`rowwise`).
+(`rowwise`). A mixture of experts runs a tile at a time as a whole, its experts gathered
+per (token, expert) pair (`jaxserve.model.moe`), not in slots sized by the routing.
 
 The mode is a setting read while a program is traced: the runner traces a program inside
 `row_tiles(ROW_TILE)` (`traced_with_row_tiles`); `jaxserve.model.quantization.project`, the
@@ -66,13 +67,18 @@ def rowwise(function: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Arr
 
 def by_row_tiles(product: Callable[[jax.Array], jax.Array], x: jax.Array,
                  tile: int) -> jax.Array:
-    """`product(x)` for a row-wise `product` (`[M, K] -> [M, ...]`), computed `tile` rows at a
-    time: x `[..., K]` (its leading axes are the rows) → `[..., ...]`."""
+    """`product(x)` for a row-wise `product` (`[M, K] -> [M, ...]`, or a tuple of such),
+    computed `tile` rows at a time: x `[..., K]` (its leading axes are the rows) →
+    `[..., ...]` (each)."""
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)  # [M, K]
     count = rows.shape[0]
     padded = -(-count // tile) * tile
     tiles = jnp.pad(rows, ((0, padded - count), (0, 0))).reshape(-1, tile, width)
-    out = jax.lax.map(product, tiles)  # [M / tile, tile, ...]
-    out = out.reshape(padded, *out.shape[2:])[:count]
-    return out.reshape(*lead, *out.shape[1:])
+    out = jax.lax.map(product, tiles)  # each leaf [M / tile, tile, ...]
+
+    def untiled(a):
+        a = a.reshape(padded, *a.shape[2:])[:count]
+        return a.reshape(*lead, *a.shape[1:])
+
+    return jax.tree.map(untiled, out)

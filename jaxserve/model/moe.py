@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model import fixed_order
 from jaxserve.model.config import ModelConfig, MoEConfig
 from jaxserve.model.contract import ExpertMixture
 from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, sort_pairs
@@ -131,8 +132,15 @@ class SparseMoE(nnx.Module):
     def __call__(self, hidden: jax.Array, mixture: ExpertMixture | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         """hidden `[..., E]` → (`[..., E]`, each token's chosen experts `[T, K]` int32, T the
-        tokens of hidden flattened); `mixture`: the step's, else `default_mixture`."""
+        tokens of hidden flattened); `mixture`: the step's, else `default_mixture`. Under
+        deterministic inference (`fixed_order`), a fixed number of tokens at a time."""
         x = hidden.reshape(-1, hidden.shape[-1])  # [T, E]
+        mixed, experts = fixed_order.rowwise(lambda rows: self._mixed(rows, mixture), x)
+        return mixed.reshape(hidden.shape), experts
+
+    def _mixed(self, x: jax.Array, mixture: ExpertMixture | None
+               ) -> tuple[jax.Array, jax.Array]:
+        """x `[T, E]` → (`[T, E]`, experts `[T, K]`)."""
         if self.correction_bias is None:
             logits = x @ self.router[...]  # [T, X]
             if self.router_bias is not None:
@@ -151,7 +159,7 @@ class SparseMoE(nnx.Module):
             mixed = mixed + jnp.sum(chosen * weights[..., None].astype(x.dtype), axis=1)
         if self.shared is not None:
             mixed = mixed + self.shared(x)
-        return mixed.reshape(hidden.shape), experts
+        return mixed, experts
 
     def kernels(self) -> ExpertKernels:
         """The experts' kernels (and scales, when quantized; biases, in gpt-oss) as arrays,
