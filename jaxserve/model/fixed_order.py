@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-ROW_TILE = 8  # rows of every projection under the mode (docs/determinism.md: why 8)
+ROW_TILE = 8  # rows of every projection under the mode (its cost: docs/performance.md)
 
 _ROW_TILE: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_tile", default=None)
 
