@@ -1,8 +1,9 @@
 """Deterministic inference (`enable_deterministic_inference`): one request's tokens,
 log-probabilities and prompt log-probabilities are bitwise the same alone, in batches of
 several sizes at several positions, with chunked prefill at two chunk sizes, after a
-prefix-cache hit, after preemption and recompute, with greedy n-gram speculation, and at
-tensor-parallel size 2; for a dense model and a mixture of experts, in float32 and bfloat16.
+prefix-cache hit, after preemption and recompute, with greedy n-gram speculation, at
+tensor-parallel size 2, and when it samples with its own seed; for a dense model and a
+mixture of experts, in float32 and bfloat16.
 
 Every comparison is `np.array_equal` on float32 log-probabilities. One engine per setting
 and (model, dtype) is built once for the module (module fixtures), so the module compiles
@@ -165,3 +166,12 @@ def test_option_reads_vllm_switch_and_refuses_other_backends(folders, monkeypatc
     with pytest.raises(ValueError, match="enable_deterministic_inference"):
         LLM(str(folders["llama"]), progress=False, attention_backend="reference",
             **DETERMINISTIC)
+
+
+def test_seeded_sampling(case):
+    """A request that samples (temperature 1, top-p) with its own seed, alone and in batches."""
+    params = dataclasses.replace(PARAMS, temperature=1.0, top_p=0.9, seed=5)
+    alone = watched(case.llm, [], 0, params)
+    for size, position in ((3, 2), (8, 4)):
+        watched(case.llm, OTHERS[:size - 1], position, params).assert_same(
+            alone, f"seeded sampling, batch of {size}, position {position}")
