@@ -87,4 +87,3 @@ def _attend_tile(q, tables, pos, valid, k_pool: PagePool, v_pool: PagePool, plan
     out = softmax.normalize(acc, jnp.maximum(peak, MASK_VALUE)[..., None], total[..., None],
                             grouped_sinks)  # [t, Hkv, G, D]
     return out.reshape(tile, num_heads, head_dim).astype(q.dtype)
-
