@@ -147,7 +147,7 @@ def _models_file_options(args: argparse.Namespace):
                                   adapters)
         except ValueError as err:
             raise ValueError(f"{args.models}: {entry.pinned_id}: {err}") from None
-    return ServerOptions(models_file=args.models)
+    return ServerOptions(models_file=args.models, compile_in_background=True)
 
 
 def _reload_on_sighup(state) -> None:

@@ -60,6 +60,9 @@ class ServerOptions:
     cors: dict | None = None  # CORSMiddleware's keywords; None: no cross-origin access
     tokenizer: str | None = None  # the one model's tokenizer from another folder or Hub id
     seed: int = 0  # of the random draws of requests without a seed (vLLM's --seed)
+    # a models file's entries serve on their smallest buckets while the rest compile
+    # (`jaxserve serve --models` turns it on; an entry's own option wins)
+    compile_in_background: bool = False
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
@@ -78,11 +81,14 @@ class ServerOptions:
                              "options per model in the file, not as flags")
 
 
-def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0) -> LLM:
+def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0,
+              compile_in_background: bool = False) -> LLM:
     """One entry's LLM: its folder, dtype and preset, its engine options on top (and the
-    server's `tokenizer` and `seed`, `ServerOptions`)."""
+    server's `tokenizer`, `seed` and `compile_in_background`, `ServerOptions`; an entry's
+    own `compile_in_background` wins)."""
+    options = {"compile_in_background": compile_in_background, **entry.options()}
     return LLM(entry.path, dtype=entry.dtype, config=entry.config, tokenizer=tokenizer,
-               seed=seed, **entry.options())
+               seed=seed, **options)
 
 
 class ServerState:
@@ -92,7 +98,8 @@ class ServerState:
                  build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
         if build is build_llm:
-            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed)
+            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed,
+                                      compile_in_background=options.compile_in_background)
         self.api_key = options.api_key
         self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key
