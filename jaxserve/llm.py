@@ -32,7 +32,8 @@ from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
                                    with_expert_parallel, with_quantization)
-from jaxserve.engine.engine import Engine, engine_mesh
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.engine_setup import engine_mesh
 from jaxserve.config.engine import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput

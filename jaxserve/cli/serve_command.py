@@ -174,7 +174,7 @@ def _check_before_serving(model: str, dtype: str | None, config: str | None,
     (folder, config.json, preset, option conflicts, the mesh, the LoRA folders' configs): a
     `ValueError` here exits 2 before the socket opens, instead of a server that never
     becomes healthy."""
-    from jaxserve.engine.engine import engine_mesh
+    from jaxserve.engine.engine_setup import engine_mesh
     from jaxserve.llm import resolve_settings
     from jaxserve.lora.adapter import adapter_folder, read_adapter_config
 
