@@ -118,6 +118,17 @@ class EngineConfig:
         "draft or EAGLE-3 head), disable_by_batch_size; a JSON object on the command line, "
         "a preset's [speculative] table")
 
+    runner: str = _option("generate", "model", "generate: text generation; pooling: "
+                          "embeddings and scores (/v1/embeddings, /pooling, /score, /rerank; "
+                          "jaxserve.pooling)", choices=("generate", "pooling"))
+    convert: str = _option("auto", "model", "with runner pooling: embed (pooled vectors) or "
+                           "classify (a causal LM scored by its yes/no logits, as "
+                           "Qwen3-Reranker); auto: from the model folder",
+                           choices=("auto", "embed", "classify"))
+    pooler_config: dict | None = _option(None, "model", "with runner pooling: vLLM's "
+                                         "pooling_type (LAST, MEAN, CLS) and normalize, over "
+                                         "the model folder's sentence-transformers config")
+
     enable_lora: bool = _option(False, "lora", "serve LoRA adapters beside the base model "
                                 "(jaxserve.lora)")
     max_loras: int = _option(1, "lora", "adapters resident on the device at once (slots); "

@@ -1,0 +1,93 @@
+"""The pooling step: one forward over a packed ragged batch of whole sequences and the
+pooled vector of each, computed on device; nothing is sampled and no KV cache is written.
+
+A batch is `PackedSequences`: the sequences' tokens side by side, padded to a token bucket
+`T`, with each token's segment (its sequence's row; padding has row `S`, the bucket's
+sequence count) and position. Attention runs densely over the `[T, T]` pairs of the batch,
+masked to pairs of one segment (and causal for decoders), so no page table is needed: a
+pooling request is prefilled once and forgotten. Pooling reads the hidden states by segment:
+the last token, the first (CLS) or the mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequences:
+    """Whole sequences packed into one padded batch (host numpy arrays)."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32, 0 at each sequence's first token
+    segments: np.ndarray  # [T] int32, the token's row; padding: S
+    first_index: np.ndarray  # [S] int32, where each row starts in the batch
+    last_index: np.ndarray  # [S] int32, where each row ends
+    lengths: np.ndarray  # [S] int32, 0 for padding rows
+
+    @classmethod
+    def pack(cls, sequences: list[list[int]], tokens: int, rows: int,
+             position_offset: int = 0) -> "PackedSequences":
+        """`sequences` packed into a batch of `tokens` tokens and `rows` rows (the bucket);
+        positions start at `position_offset` (XLM-RoBERTa's padding_idx + 1)."""
+        token_ids = np.zeros((tokens,), np.int32)
+        positions = np.zeros((tokens,), np.int32)
+        segments = np.full((tokens,), rows, np.int32)
+        first, last, lengths = (np.zeros((rows,), np.int32) for _ in range(3))
+        start = 0
+        for row, ids in enumerate(sequences):
+            end = start + len(ids)
+            token_ids[start:end] = ids
+            positions[start:end] = np.arange(len(ids)) + position_offset
+            segments[start:end] = row
+            first[row], last[row], lengths[row] = start, end - 1, len(ids)
+            start = end
+        if start > tokens or len(sequences) > rows:
+            raise ValueError(f"{len(sequences)} sequences of {start} tokens do not fit a "
+                             f"batch of {rows} rows and {tokens} tokens")
+        return cls(token_ids, positions, segments, first, last, lengths)
+
+
+def segment_attention(segments: jax.Array, causal: bool):
+    """An attention callable for the model (`attention(layer, q, k, v, cache) -> (out,
+    cache)`): dense softmax attention among the tokens of one segment, causal or not."""
+    index = jnp.arange(segments.shape[0])
+    visible = segments[:, None] == segments[None, :]  # [T, T]
+    if causal:
+        visible &= index[None, :] <= index[:, None]
+
+    def attention(layer_index, q, k, v, layer_cache, sinks=None):
+        if sinks is not None:
+            raise ValueError("attention sinks are not supported by the pooling runner")
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        k = jnp.repeat(k, hq // hkv, axis=1).astype(jnp.float32)  # [T, Hq, D]
+        v = jnp.repeat(v, hq // hkv, axis=1).astype(jnp.float32)  # [T, Hq, D]
+        scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * d ** -0.5
+        scores = jnp.where(visible[None], scores, -jnp.inf)  # [Hq, T, T]
+        weights = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("hqk,khd->qhd", weights, v)  # [T, Hq, D]
+        return out.astype(q.dtype), layer_cache
+
+    return attention
+
+
+def pool(hidden: jax.Array, batch: PackedSequences, pooling_type: str) -> jax.Array:
+    """Each row's vector `[S, E]` float32 from the hidden states `[T, E]`: its last token
+    ("LAST"), first token ("CLS") or mean over its tokens ("MEAN"); padding rows are 0."""
+    hidden = hidden.astype(jnp.float32)
+    rows = batch.lengths.shape[0]
+    if pooling_type == "LAST":
+        return hidden[batch.last_index]
+    if pooling_type == "CLS":
+        return hidden[batch.first_index]
+    sums = jax.ops.segment_sum(hidden, batch.segments, num_segments=rows + 1)[:rows]
+    return sums / jnp.maximum(batch.lengths, 1)[:, None].astype(jnp.float32)
+
+
+jax.tree_util.register_dataclass(
+    PackedSequences, data_fields=[f.name for f in dataclasses.fields(PackedSequences)],
+    meta_fields=[])

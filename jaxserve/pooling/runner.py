@@ -1,0 +1,121 @@
+"""`PoolingRunner`: whole sequences packed into the engine's token buckets, one compiled
+pooling program per (tokens, rows) bucket, and what each row returns: its pooled vector
+(embed) or its score (classify).
+
+The program is `forward` (the model's hidden states `[T, E]` of a `PackedSequences`) then
+`jaxserve.pooling.program.pool` on device; a classifier then takes the last token's
+yes-minus-no logit through a sigmoid (`jaxserve.pooling.reranker`). Prefill only: a
+sequence is never split across batches (nothing is kept between them), so the token ladder
+reaches `max_model_len`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.pooling.program import PackedSequences, pool
+from jaxserve.pooling.spec import PoolerSpec
+
+# forward(model, batch) -> hidden states [T, E] of every packed token
+Forward = Callable[[nnx.Module, PackedSequences], jax.Array]
+
+
+class PoolingRunner:
+    """Runs lists of token sequences through the compiled pooling programs."""
+
+    def __init__(self, model: nnx.Module, forward: Forward, spec: PoolerSpec,
+                 token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
+                 max_model_len: int, yes_no_ids: tuple[int, int] | None = None,
+                 position_offset: int = 0):
+        """`yes_no_ids` (classify): the tokens whose logits' difference is the score."""
+        if spec.task == "classify" and yes_no_ids is None:
+            raise ValueError("a classify pooler needs the yes/no token ids")
+        self.spec, self.max_model_len = spec, max_model_len
+        self.position_offset = position_offset
+        top = max(token_buckets)
+        self.token_buckets = tuple(token_buckets) + ((max_model_len,)
+                                                     if max_model_len > top else ())
+        self.seq_buckets = tuple(seq_buckets)
+        self.hidden_size: int | None = None
+        graphdef, state = nnx.split(model)
+        self._state = state
+        self._lock = threading.Lock()
+        self.compiled_buckets: set[tuple[int, int]] = set()
+
+        def program(state, batch: PackedSequences) -> jax.Array:
+            model = nnx.merge(graphdef, state)
+            hidden = forward(model, batch)  # [T, E]
+            if spec.task == "classify":  # the last token's yes/no logits
+                logits = model.logits(hidden[batch.last_index])  # [S, V]
+                return jax.nn.sigmoid(logits[:, yes_no_ids[0]] - logits[:, yes_no_ids[1]])
+            return pool(hidden, batch, spec.pooling_type)  # [S, E]
+
+        self._program = jax.jit(program)
+
+    # ---- batching -------------------------------------------------------------------------
+    def check(self, ids: list[int], field: str = "input") -> None:
+        """`InvalidRequestError` naming `field` for a sequence the runner cannot take."""
+        if not ids:
+            raise InvalidRequestError(field, "an input has no tokens")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(field, f"an input has {len(ids)} tokens, more than "
+                                      f"max_model_len ({self.max_model_len})")
+
+    def batches(self, sequences: list[list[int]]) -> list[list[int]]:
+        """Indices of `sequences` grouped into batches, in order, each fitting the largest
+        buckets."""
+        groups: list[list[int]] = [[]]
+        tokens = 0
+        for index, ids in enumerate(sequences):
+            full = (tokens + len(ids) > self.token_buckets[-1]
+                    or len(groups[-1]) == self.seq_buckets[-1])
+            if groups[-1] and full:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(index)
+            tokens += len(ids)
+        return groups if groups[0] else []
+
+    def run(self, sequences: list[list[int]]) -> np.ndarray:
+        """Each sequence's pooled vector `[N, E]` (float32, not normalized) or score `[N]`."""
+        for ids in sequences:
+            self.check(ids)
+        outputs = []
+        for group in self.batches(sequences):
+            members = [sequences[i] for i in group]
+            total = sum(len(ids) for ids in members)
+            tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, total)]
+            rows = self.seq_buckets[bisect.bisect_left(self.seq_buckets, len(members))]
+            batch = PackedSequences.pack(members, tokens, rows, self.position_offset)
+            with self._lock:
+                result = np.asarray(self._program(self._state, batch))
+                self.compiled_buckets.add((tokens, rows))
+            outputs.append(result[:len(members)])
+        return np.concatenate(outputs, axis=0)
+
+    def warm_up(self) -> float:
+        """Compile the smallest bucket's program (the rest compile when first used);
+        seconds taken."""
+        started = time.perf_counter()
+        self.run([[0]])
+        return time.perf_counter() - started
+
+
+def finish(vectors: np.ndarray, normalize: bool, dimensions: int | None = None
+           ) -> np.ndarray:
+    """Pooled vectors `[N, E]` cut to their first `dimensions` (Matryoshka) and then
+    L2-normalized if `normalize`, as vLLM orders it."""
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    if normalize:
+        norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+        vectors = vectors / np.maximum(norms, 1e-12)
+    return vectors
