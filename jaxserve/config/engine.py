@@ -18,7 +18,8 @@ from jaxserve.config.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attention
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
-SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora")
+SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora",
+            "pooling")
 
 
 def _option(default, section: str, help: str, choices: tuple | None = None,
@@ -125,7 +126,7 @@ class EngineConfig:
                            "classify (a causal LM scored by its yes/no logits, as "
                            "Qwen3-Reranker); auto: from the model folder",
                            choices=("auto", "embed", "classify"))
-    pooler_config: dict | None = _option(None, "model", "with runner pooling: vLLM's "
+    pooler_config: dict | None = _option(None, "pooling", "with runner pooling: vLLM's "
                                          "pooling_type (LAST, MEAN, CLS) and normalize, over "
                                          "the model folder's sentence-transformers config")
 
