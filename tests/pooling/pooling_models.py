@@ -29,7 +29,8 @@ def write_tokenizer(folder: Path, cls_sep: bool = False) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS + ["yes no"] * 40, trainer)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens(["yes", "no"])  # a reranker's answers, one token each
     if cls_sep:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A </s>", pair="<s> $A </s> $B </s>",
@@ -78,8 +79,8 @@ def build_encoder(folder: Path, model_type: str, pooling: str, normalize: bool) 
     """A tiny BERT or XLM-RoBERTa encoder (`AutoModel`) as a sentence-transformers folder."""
     folder.mkdir(parents=True, exist_ok=True)
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=130,
-                  type_vocab_size=2, pad_token_id=2 if model_type == "bert" else 1)
+                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=131,
+                  type_vocab_size=2, pad_token_id=2)  # <pad> of `write_tokenizer`
     if model_type == "bert":
         config = transformers.BertConfig(**common)
         model = transformers.BertModel(config, add_pooling_layer=False)
