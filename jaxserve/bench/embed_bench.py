@@ -1,0 +1,63 @@
+"""`jaxserve bench embed`: the pooling runner's throughput, in prompt tokens per second,
+at short and long inputs.
+
+Builds `LLM(runner="pooling")` over `--model` (default: the random ~60M Llama of `bench
+offline`, pooled by its last token), compiles the bucket each length needs, then embeds
+`--requests` random token sequences of each `--lengths` in one `embed` call, `--repeats`
+times, and prints the best run's tokens/s and sequences/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model folder (default: random ~60M)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 512],
+                        help="tokens per input, one measurement each")
+    parser.add_argument("--requests", type=int, default=64, help="inputs per measurement")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="the token bucket (every batch is padded to it)")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per length (best kept)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from jaxserve.bench.offline_bench import model_folder
+    from jaxserve.llm import LLM
+
+    budget = args.max_num_batched_tokens
+    if max(args.lengths) > budget:
+        raise SystemExit(f"--lengths may not exceed --max-num-batched-tokens ({budget})")
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = model_folder(args.model, scratch)
+        llm = LLM(folder, dtype=args.dtype, runner="pooling", max_model_len=budget,
+                  max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
+                  token_buckets=(budget,), seq_buckets=(args.max_num_seqs,),
+                  pooler_config={"pooling_type": "LAST", "normalize": True})
+        vocab = llm.config.vocab_size if llm.config is not None else 1000
+        rows = []
+        for length in args.lengths:
+            prompts = [rng.integers(3, vocab, length).tolist() for _ in range(args.requests)]
+            llm.embed(prompts[:1])  # compiles this length's bucket
+            best = float("inf")
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                llm.embed(prompts)
+                best = min(best, time.perf_counter() - started)
+            rows.append((length, best))
+            print(f"  {length} tokens x {args.requests}: {best:.3f} s", flush=True)
+    print(f"\nembeddings ({args.dtype}, token bucket {budget}, up to {args.max_num_seqs} "
+          "sequences a batch)")
+    print(f"{'tokens/input':>13}{'inputs':>8}{'tokens/s':>12}{'inputs/s':>10}")
+    for length, seconds in rows:
+        print(f"{length:>13}{args.requests:>8}{length * args.requests / seconds:>12.0f}"
+              f"{args.requests / seconds:>10.1f}")
+    return 0
