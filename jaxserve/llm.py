@@ -37,7 +37,8 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.api import PoolingAPI
-from jaxserve.pooling.setup import encoder_parts, is_encoder_folder, pooler_for_decoder
+from jaxserve.pooling.setup import (encoder_parts, engine_config_for_pooling,
+                                    is_encoder_folder, pooler_for_decoder, refuse_encoder)
 from jaxserve.presets import engine_settings
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative import eagle3
@@ -85,11 +86,15 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     they make, checked against each other (`ValueError` naming what is wrong). Cheap: what
     `jaxserve serve` runs before it opens its socket."""
     model_dir = resolve_model(model)
+    if engine_options.get("runner") == "pooling":
+        refuse_encoder(model_dir)
     model_config = checkpoint.model_config(model_dir)
     preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
                                                    engine_options)
     resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
     engine_config = engine_config_for(model_config, engine_options)
+    if engine_config.runner == "pooling":
+        engine_config = engine_config_for_pooling(engine_config)
     spec = engine_config.speculative_config
     if spec is not None and spec.method == "draft_model":
         draft_config(spec, model_config)  # the draft's folder and vocabulary, checked early

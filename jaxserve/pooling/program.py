@@ -52,9 +52,14 @@ class PackedSequences:
         return cls(token_ids, positions, segments, first, last, lengths)
 
 
+QUERY_BLOCK = 512  # queries per block of a long batch's attention
+
+
 def segment_attention(segments: jax.Array, causal: bool):
     """An attention callable for the model (`attention(layer, q, k, v, cache) -> (out,
-    cache)`): dense softmax attention among the tokens of one segment, causal or not."""
+    cache)`): dense softmax attention among the tokens of one segment, causal or not.
+    A batch longer than `QUERY_BLOCK` (and a multiple of it) runs its queries a block at a
+    time, so the scores take `[Hq, QUERY_BLOCK, T]`, not `[Hq, T, T]`."""
     index = jnp.arange(segments.shape[0])
     visible = segments[:, None] == segments[None, :]  # [T, T]
     if causal:
@@ -63,13 +68,23 @@ def segment_attention(segments: jax.Array, causal: bool):
     def attention(layer_index, q, k, v, layer_cache, sinks=None):
         if sinks is not None:
             raise ValueError("attention sinks are not supported by the pooling runner")
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-        k = jnp.repeat(k, hq // hkv, axis=1).astype(jnp.float32)  # [T, Hq, D]
-        v = jnp.repeat(v, hq // hkv, axis=1).astype(jnp.float32)  # [T, Hq, D]
-        scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * d ** -0.5
-        scores = jnp.where(visible[None], scores, -jnp.inf)  # [Hq, T, T]
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("hqk,khd->qhd", weights, v)  # [T, Hq, D]
+        tokens, hq, d = q.shape
+        k = jnp.repeat(k, hq // k.shape[1], axis=1).astype(jnp.float32)  # [T, Hq, D]
+        v = jnp.repeat(v, hq // v.shape[1], axis=1).astype(jnp.float32)  # [T, Hq, D]
+
+        def block(queries, seen):  # [B, Hq, D], [B, T] -> [B, Hq, D]
+            scores = jnp.einsum("qhd,khd->hqk", queries.astype(jnp.float32), k) * d ** -0.5
+            weights = jax.nn.softmax(jnp.where(seen[None], scores, -jnp.inf), axis=-1)
+            return jnp.einsum("hqk,khd->qhd", weights, v)
+
+        if tokens > QUERY_BLOCK and tokens % QUERY_BLOCK == 0:
+            blocks = tokens // QUERY_BLOCK
+            out = jax.lax.map(lambda args: block(*args), (
+                q.reshape(blocks, QUERY_BLOCK, hq, d), visible.reshape(blocks, QUERY_BLOCK,
+                                                                       tokens)))
+            out = out.reshape(tokens, hq, d)
+        else:
+            out = block(q, visible)
         return out.astype(q.dtype), layer_cache
 
     return attention

@@ -6,7 +6,9 @@ The program is `forward` (the model's hidden states `[T, E]` of a `PackedSequenc
 `jaxserve.pooling.program.pool` on device; a classifier then takes the last token's
 yes-minus-no logit through a sigmoid (`jaxserve.pooling.reranker`). Prefill only: a
 sequence is never split across batches (nothing is kept between them), so the token ladder
-reaches `max_model_len`.
+reaches `max_model_len`. Every batch has `max_num_seqs` rows (a row costs one gathered
+vector), so there is one program per token bucket, all compiled at warm-up: after it
+nothing compiles, as in the generation engine.
 """
 
 from __future__ import annotations
@@ -43,12 +45,11 @@ class PoolingRunner:
         top = max(token_buckets)
         self.token_buckets = tuple(token_buckets) + ((max_model_len,)
                                                      if max_model_len > top else ())
-        self.seq_buckets = tuple(seq_buckets)
+        self.rows = max(seq_buckets)
         self.hidden_size: int | None = None
         graphdef, state = nnx.split(model)
         self._state = state
         self._lock = threading.Lock()
-        self.compiled_buckets: set[tuple[int, int]] = set()
 
         def program(state, batch: PackedSequences) -> jax.Array:
             model = nnx.merge(graphdef, state)
@@ -76,7 +77,7 @@ class PoolingRunner:
         tokens = 0
         for index, ids in enumerate(sequences):
             full = (tokens + len(ids) > self.token_buckets[-1]
-                    or len(groups[-1]) == self.seq_buckets[-1])
+                    or len(groups[-1]) == self.rows)
             if groups[-1] and full:
                 groups.append([])
                 tokens = 0
@@ -93,19 +94,19 @@ class PoolingRunner:
             members = [sequences[i] for i in group]
             total = sum(len(ids) for ids in members)
             tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, total)]
-            rows = self.seq_buckets[bisect.bisect_left(self.seq_buckets, len(members))]
-            batch = PackedSequences.pack(members, tokens, rows, self.position_offset)
-            with self._lock:
-                result = np.asarray(self._program(self._state, batch))
-                self.compiled_buckets.add((tokens, rows))
-            outputs.append(result[:len(members)])
+            outputs.append(self._run_batch(members, tokens)[:len(members)])
         return np.concatenate(outputs, axis=0)
 
+    def _run_batch(self, sequences: list[list[int]], tokens: int) -> np.ndarray:
+        batch = PackedSequences.pack(sequences, tokens, self.rows, self.position_offset)
+        with self._lock:
+            return np.asarray(self._program(self._state, batch))
+
     def warm_up(self) -> float:
-        """Compile the smallest bucket's program (the rest compile when first used);
-        seconds taken."""
+        """Compile every token bucket's program; seconds taken."""
         started = time.perf_counter()
-        self.run([[0]])
+        for tokens in self.token_buckets:
+            self._run_batch([[0]], tokens)
         return time.perf_counter() - started
 
 

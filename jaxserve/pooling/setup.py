@@ -35,6 +35,25 @@ def is_encoder_folder(model_dir: Path) -> bool:
     return is_encoder(hf_config_of(model_dir))
 
 
+def refuse_encoder(model_dir: Path) -> None:
+    """A `ValueError` for an encoder folder where an engine is needed (the server): an
+    encoder runs through `LLM.embed` / `LLM.score`, which need none."""
+    if is_encoder_folder(model_dir):
+        raise ValueError(f"runner: {model_dir.name} is a BERT-family encoder, which jaxserve "
+                         "runs through LLM(...).embed / .score; the HTTP server serves "
+                         "decoder pooling models (Qwen3-Embedding, gte-Qwen2, "
+                         "Qwen3-Reranker)")
+
+
+def engine_config_for_pooling(config: EngineConfig) -> EngineConfig:
+    """A decoder's engine config with `runner="pooling"`: the generation engine beside the
+    pooling runner only holds the weights, so unless `num_pages` is set its KV pool is the
+    least the engine takes (one sequence and the padding page)."""
+    if config.num_pages is not None:
+        return config
+    return dataclasses.replace(config, num_pages=1 + config.pages_per_seq)
+
+
 def pooler_for_decoder(model_dir: Path, model, config: EngineConfig,
                        tokenizer: Tokenizer | None) -> Pooler:
     """The pooler over a decoder the engine loaded (`model`, in the engine's layout)."""

@@ -12,6 +12,7 @@ import transformers
 from sentence_transformers import SentenceTransformer
 
 from jaxserve import LLM
+from jaxserve.llm import resolve_settings
 from jaxserve.loading.tokenizer import Tokenizer
 from pooling_models import TEXTS, build_decoder, build_encoder
 from tiny_models import SMALL_ENGINE
@@ -45,6 +46,9 @@ def test_matches_sentence_transformers(tmp_path, kind, architecture, pooling, no
                                    rtol=1e-3)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate("a")
+    if kind == "encoder":  # no generation engine: LLM only, the server refuses it
+        with pytest.raises(ValueError, match="encoder"):
+            resolve_settings(str(tmp_path), "float32", None, {"runner": "pooling"})
 
 
 def test_qwen3_reranker_scores_yes_over_no(tmp_path):

@@ -5,6 +5,7 @@ HTTP, no batching across requests) and numpy."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 from pathlib import Path
@@ -67,6 +68,19 @@ def test_openai_embeddings_float_base64_and_dimensions(server, reference):
                                    encoding_format="float")
     np.testing.assert_allclose(np.array([d.embedding for d in cut.data]),
                                unit(reference[:2, :16]), atol=1e-5)
+
+
+def test_concurrent_requests_each_get_their_own_rows(server, reference):
+    """Requests sent at once share the pooling engine's batches; each still gets its rows."""
+    def one(index):
+        reply = httpx.post(f"{server.url}/v1/embeddings", json={"input": [TEXTS[index]] * 2},
+                           timeout=60)
+        return index, [d["embedding"] for d in reply.json()["data"]]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, [i % len(TEXTS) for i in range(12)]))
+    for index, rows in answers:
+        np.testing.assert_allclose(rows, [unit(reference[index])] * 2, atol=1e-5)
 
 
 def test_token_id_inputs_match_text(server, model_dir):

@@ -1,0 +1,78 @@
+"""The pooling runner's pieces against independent references: packing, the segment
+attention (blocked and not) against per-sequence dense attention in numpy, pooling by
+segment, and the batching (no batch over the buckets, every input answered in order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.pooling import program
+from jaxserve.pooling.program import PackedSequences, pool, segment_attention
+from jaxserve.pooling.runner import finish
+from jaxserve.pooling.spec import PoolerSpec, pooler_spec
+
+
+def numpy_attention(q, k, v, causal):
+    """softmax(q k^T / sqrt(D)) v of one sequence, kv heads repeated: [L, H, D]."""
+    k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    v = np.repeat(v, q.shape[1] // v.shape[1], axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape[1:], bool))[None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", [4, 512])
+def test_segment_attention_is_each_sequences_own(monkeypatch, causal, block):
+    monkeypatch.setattr(program, "QUERY_BLOCK", block)
+    lengths, tokens = [5, 1, 7], 16
+    rng = np.random.default_rng(0)
+    batch = PackedSequences.pack([list(range(n)) for n in lengths], tokens, rows=4)
+    q = rng.normal(size=(tokens, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(tokens, 2, 8)).astype(np.float32) for _ in range(2))
+    out, _ = segment_attention(batch.segments, causal)(0, q, k, v, None)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        np.testing.assert_allclose(np.asarray(out)[part],
+                                   numpy_attention(q[part], k[part], v[part], causal),
+                                   rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_pool_last_cls_mean():
+    batch = PackedSequences.pack([[1, 2, 3], [4], [5, 6]], tokens=8, rows=4)
+    hidden = np.arange(8 * 2, dtype=np.float32).reshape(8, 2) ** 1.5  # [T, E]
+    np.testing.assert_allclose(pool(hidden, batch, "LAST")[:3], hidden[[2, 3, 5]])
+    np.testing.assert_allclose(pool(hidden, batch, "CLS")[:3], hidden[[0, 3, 4]])
+    np.testing.assert_allclose(pool(hidden, batch, "MEAN")[:3], np.stack([
+        hidden[0:3].mean(0), hidden[3], hidden[4:6].mean(0)]), rtol=1e-6)
+    assert batch.positions[:6].tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def test_finish_cuts_then_normalizes():
+    vectors = np.array([[3.0, 4.0, 12.0]])
+    np.testing.assert_allclose(finish(vectors, True, 2), [[0.6, 0.8]])
+    np.testing.assert_allclose(finish(vectors, False), vectors)
+
+
+def test_spec_from_sentence_transformers_files(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert pooler_spec(tmp_path) == PoolerSpec("CLS", True)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": True}))
+    assert pooler_spec(tmp_path) == PoolerSpec("MEAN", False)
+    assert pooler_spec(tmp_path, pooler_config={"normalize": True}).normalize
+    with pytest.raises(ValueError, match="pooler_config"):
+        pooler_spec(tmp_path, pooler_config={"pooling": "MEAN"})
+    with pytest.raises(ValueError, match="classify"):
+        pooler_spec(tmp_path, convert="classify")
