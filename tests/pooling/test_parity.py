@@ -25,19 +25,24 @@ def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.sum(got * want, -1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
-@pytest.mark.parametrize("kind, architecture, pooling, normalize", [
-    ("decoder", "qwen3", "LAST", True),  # Qwen3-Embedding
-    ("decoder", "qwen2", "MEAN", False),  # gte-Qwen2-style mean
-    ("encoder", "bert", "CLS", True),  # bge-style
-    ("encoder", "xlm-roberta", "MEAN", True),  # e5 / bge-m3-style encoder, offset positions
+@pytest.mark.parametrize("kind, architecture, pooling, normalize, options", [
+    ("decoder", "qwen3", "LAST", True, {}),  # Qwen3-Embedding
+    ("decoder", "qwen3", "MEAN", True, {"scan_layers": True}),  # TPU/GPU's layer layout
+    ("decoder", "qwen2", "MEAN", False, {}),  # gte-Qwen2-style mean
+    ("encoder", "bert", "CLS", True, {}),  # bge-style
+    ("encoder", "xlm-roberta", "MEAN", True, {}),  # e5 / bge-m3-style, offset positions
 ])
-def test_matches_sentence_transformers(tmp_path, kind, architecture, pooling, normalize):
+def test_matches_sentence_transformers(tmp_path, kind, architecture, pooling, normalize,
+                                       options):
     build = build_decoder if kind == "decoder" else build_encoder
     build(tmp_path, architecture, pooling, normalize)
     want = SentenceTransformer(str(tmp_path), device="cpu").encode(INPUTS, batch_size=4)
-    llm = LLM(str(tmp_path), dtype="float32", runner="pooling", **SMALL_ENGINE)
+    llm = LLM(str(tmp_path), dtype="float32", runner="pooling", **SMALL_ENGINE, **options)
     got = np.array([o.outputs.embedding for o in llm.embed(INPUTS)])
     assert llm.pooler.spec.pooling_type == pooling
+    if options:
+        assert llm.model.scan_layers
+    print(f"{architecture} {pooling}: min cosine {cosines(got, want).min():.8f}")
     assert cosines(got, want).min() >= 0.9999, cosines(got, want)
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
