@@ -4,7 +4,10 @@ at short and long inputs.
 Builds `LLM(runner="pooling")` over `--model` (default: the random ~60M Llama of `bench
 offline`, pooled by its last token), compiles the bucket each length needs, then embeds
 `--requests` random token sequences of each `--lengths` in one `embed` call, `--repeats`
-times, and prints the best run's tokens/s and sequences/s.
+times, and prints the best run's tokens/s and sequences/s. `--baseline transformers` also
+times transformers' `AutoModel` (torch) on the same inputs in batches of `--max-num-seqs`
+(the inputs of a length are equally long, so it pads nothing), last hidden state of the
+last token, normalized.
 """
 
 from __future__ import annotations
@@ -26,6 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="runs per length (best kept)")
+    parser.add_argument("--baseline", choices=["none", "transformers"], default="none",
+                        help="also time transformers on the same inputs")
+
+
+def transformers_seconds(folder: str, prompts: list[list[int]], batch: int, dtype: str,
+                         repeats: int) -> float:
+    """The best time of transformers embedding `prompts` (equally long) in batches."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms up
+        started = time.perf_counter()
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch):
+                hidden = model(ids[start:start + batch]).last_hidden_state[:, -1]
+                torch.nn.functional.normalize(hidden, dim=-1)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -52,12 +76,20 @@ def run_from_args(args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 llm.embed(prompts)
                 best = min(best, time.perf_counter() - started)
-            rows.append((length, best))
-            print(f"  {length} tokens x {args.requests}: {best:.3f} s", flush=True)
+            baseline = (transformers_seconds(folder, prompts, args.max_num_seqs, args.dtype,
+                                             args.repeats)
+                        if args.baseline == "transformers" else None)
+            rows.append((length, best, baseline))
+            print(f"  {length} tokens x {args.requests}: {best:.3f} s"
+                  + (f" (transformers {baseline:.3f} s)" if baseline else ""), flush=True)
     print(f"\nembeddings ({args.dtype}, token bucket {budget}, up to {args.max_num_seqs} "
           "sequences a batch)")
-    print(f"{'tokens/input':>13}{'inputs':>8}{'tokens/s':>12}{'inputs/s':>10}")
-    for length, seconds in rows:
-        print(f"{length:>13}{args.requests:>8}{length * args.requests / seconds:>12.0f}"
-              f"{args.requests / seconds:>10.1f}")
+    print(f"{'tokens/input':>13}{'inputs':>8}{'tokens/s':>12}{'inputs/s':>10}"
+          + (f"{'transformers tok/s':>20}{'ratio':>8}" if args.baseline != "none" else ""))
+    for length, seconds, baseline in rows:
+        line = (f"{length:>13}{args.requests:>8}{length * args.requests / seconds:>12.0f}"
+                f"{args.requests / seconds:>10.1f}")
+        if baseline:
+            line += f"{length * args.requests / baseline:>20.0f}{baseline / seconds:>7.2f}x"
+        print(line)
     return 0

@@ -48,15 +48,30 @@ class Pooler:
             return [int(t) for t in prompt]
         raise InvalidRequestError(field, "an input must be a string or a list of token ids")
 
-    def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """`ids` cut to their last `keep` tokens, as vLLM's `truncate_prompt_tokens` (-1:
+        `max_model_len`; None: as they are)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.engine.runner.max_model_len
+        if keep < 1:
+            raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must "
+                                      f"be -1 or at least 1, got {keep}")
+        return ids[-keep:]
+
+    def check_dimensions(self, dimensions: int | None, hidden_size: int | None = None
+                         ) -> None:
+        """`InvalidRequestError` naming `dimensions` unless the model is Matryoshka and
+        the value is within its hidden size (when known)."""
         if dimensions is None:
             return
         if not self.spec.matryoshka:
             raise InvalidRequestError("dimensions", "this model does not support matryoshka "
                                       "representation; dimensions cannot be set")
-        if not 1 <= dimensions <= hidden_size:
+        if dimensions < 1 or (hidden_size is not None and dimensions > hidden_size):
             raise InvalidRequestError("dimensions", f"dimensions must be in [1, "
-                                      f"{hidden_size}], got {dimensions}")
+                                      f"{hidden_size or 'the hidden size'}], got {dimensions}")
 
     def embed_ids(self, sequences: list[list[int]], params: PoolingParams | None = None
                   ) -> np.ndarray:
@@ -65,6 +80,7 @@ class Pooler:
             raise InvalidRequestError("model", "this model is a reranker (classify): it "
                                       "scores pairs (/score, /rerank) and has no embeddings")
         params = params or PoolingParams()
+        self.check_dimensions(params.dimensions)  # before the work, where it can be
         vectors = self.engine.encode(sequences)
         self.check_dimensions(params.dimensions, vectors.shape[-1])
         normalize = self.spec.normalize if params.normalize is None else params.normalize
@@ -122,14 +138,16 @@ class PoolingAPI:
                              "runner='pooling'")
         return self.pooler
 
-    def embed(self, prompts, pooling_params: PoolingParams | None = None
-              ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (strings, token-id lists or vLLM prompt dicts)."""
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings, token-id lists or vLLM prompt dicts);
+        `truncate_prompt_tokens` keeps each prompt's last N tokens, as vLLM's."""
         pooler = self._needs_pooler()
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if not prompts:
             raise ValueError("prompts is empty")
-        sequences = [pooler.token_ids(p, "prompts") for p in prompts]
+        sequences = [pooler.truncated(pooler.token_ids(p, "prompts"), truncate_prompt_tokens)
+                     for p in prompts]
         vectors = pooler.embed_ids(sequences, pooling_params)
         return [EmbeddingRequestOutput(pooler.next_id(), ids, EmbeddingOutput(v.tolist()))
                 for ids, v in zip(sequences, vectors)]

@@ -42,11 +42,10 @@ class PoolingRunner:
             raise ValueError("a classify pooler needs the yes/no token ids")
         self.spec, self.max_model_len = spec, max_model_len
         self.position_offset = position_offset
-        top = max(token_buckets)
+        self.budget = max(token_buckets)  # tokens a batch of several sequences may hold
         self.token_buckets = tuple(token_buckets) + ((max_model_len,)
-                                                     if max_model_len > top else ())
+                                                     if max_model_len > self.budget else ())
         self.rows = max(seq_buckets)
-        self.hidden_size: int | None = None
         graphdef, state = nnx.split(model)
         self._state = state
         self._lock = threading.Lock()
@@ -71,13 +70,13 @@ class PoolingRunner:
                                       f"max_model_len ({self.max_model_len})")
 
     def batches(self, sequences: list[list[int]]) -> list[list[int]]:
-        """Indices of `sequences` grouped into batches, in order, each fitting the largest
-        buckets."""
+        """Indices of `sequences` grouped into batches, in order: at most `rows` sequences
+        and `budget` tokens, or one sequence longer than that alone (its batch's attention
+        then covers only its own tokens)."""
         groups: list[list[int]] = [[]]
         tokens = 0
         for index, ids in enumerate(sequences):
-            full = (tokens + len(ids) > self.token_buckets[-1]
-                    or len(groups[-1]) == self.rows)
+            full = tokens + len(ids) > self.budget or len(groups[-1]) == self.rows
             if groups[-1] and full:
                 groups.append([])
                 tokens = 0

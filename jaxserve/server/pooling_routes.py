@@ -2,7 +2,8 @@
 
 - `POST /v1/embeddings` (OpenAI): `input` a string, a list of strings, a list of token ids
   or a list of such lists; `encoding_format` "float" or "base64" (little-endian float32
-  bytes, what the `openai` client asks for by default); `dimensions` (Matryoshka models).
+  bytes, what the `openai` client asks for by default); `dimensions` (Matryoshka models);
+  vLLM's `truncate_prompt_tokens` (keep each input's last N tokens; -1: `max_model_len`).
 - `POST /pooling` (vLLM): the same inputs, each row's pooled vector as `data`.
 - `POST /score`, `/v1/score` (vLLM): `text_1` against `text_2` (or `queries` against
   `documents`), one or pairwise; an embedding model's cosine, a reranker's relevance.
@@ -47,6 +48,7 @@ class EmbeddingRequest(PoolingRequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class ScoreRequest(PoolingRequestBody):
@@ -112,7 +114,8 @@ def add_pooling_routes(app: FastAPI, state: ServerState, v1: list, route) -> Non
 
     async def embed(body: EmbeddingRequest, kind: str):
         pooler, model = pooler_of(body.model)
-        sequences = [pooler.token_ids(item) for item in _inputs(body.input)]
+        sequences = [pooler.truncated(pooler.token_ids(item), body.truncate_prompt_tokens)
+                     for item in _inputs(body.input)]
         params = PoolingParams(body.dimensions, body.normalize)
         vectors = await asyncio.to_thread(pooler.embed_ids, sequences, params)
         tokens = sum(len(s) for s in sequences)

@@ -12,8 +12,10 @@ import transformers
 from sentence_transformers import SentenceTransformer
 
 from jaxserve import LLM
+from jaxserve.errors import InvalidRequestError
 from jaxserve.llm import resolve_settings
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve import PoolingParams
 from pooling_models import TEXTS, build_decoder, build_encoder
 from tiny_models import SMALL_ENGINE
 
@@ -51,6 +53,9 @@ def test_matches_sentence_transformers(tmp_path, kind, architecture, pooling, no
                                    rtol=1e-3)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate("a")
+    with pytest.raises(InvalidRequestError, match="matryoshka") as refused:
+        llm.embed("a", PoolingParams(dimensions=8))
+    assert refused.value.field == "dimensions"
     if kind == "encoder":  # no generation engine: LLM only, the server refuses it
         with pytest.raises(ValueError, match="encoder"):
             resolve_settings(str(tmp_path), "float32", None, {"runner": "pooling"})

@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.pooling import program
 from jaxserve.pooling.program import PackedSequences, pool, segment_attention
-from jaxserve.pooling.runner import finish
+from jaxserve.pooling.runner import PoolingRunner, finish
 from jaxserve.pooling.spec import PoolerSpec, pooler_spec
 
 
@@ -76,3 +76,12 @@ def test_spec_from_sentence_transformers_files(tmp_path):
         pooler_spec(tmp_path, pooler_config={"pooling": "MEAN"})
     with pytest.raises(ValueError, match="classify"):
         pooler_spec(tmp_path, convert="classify")
+
+
+def test_batches_hold_the_budget_and_long_inputs_alone():
+    runner = PoolingRunner.__new__(PoolingRunner)  # the batching needs no model
+    runner.budget, runner.rows = 64, 3
+    lengths = [10, 20, 30, 100, 5, 5, 5, 5, 60]
+    groups = runner.batches([[0] * n for n in lengths])
+    assert groups == [[0, 1, 2], [3], [4, 5, 6], [7], [8]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))

@@ -92,6 +92,19 @@ def test_token_id_inputs_match_text(server, model_dir):
                                by_text.json()["data"][0]["embedding"], atol=1e-6)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, model_dir):
+    from jaxserve.loading.tokenizer import Tokenizer
+    ids = Tokenizer(model_dir).encode(TEXTS[0])
+    cut = httpx.post(f"{server.url}/v1/embeddings", json={
+        "input": TEXTS[0], "truncate_prompt_tokens": 3}).json()["data"][0]["embedding"]
+    tail = httpx.post(f"{server.url}/v1/embeddings", json={
+        "input": ids[-3:]}).json()["data"][0]["embedding"]
+    whole = httpx.post(f"{server.url}/v1/embeddings", json={
+        "input": TEXTS[0]}).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(cut, tail, atol=1e-6)
+    assert np.abs(np.array(cut) - whole).max() > 1e-3
+
+
 def test_pooling_route(server, reference):
     reply = httpx.post(f"{server.url}/pooling", json={"model": NAME, "input": TEXTS[:3]})
     assert reply.status_code == 200, reply.text
@@ -131,6 +144,7 @@ def test_rerank_orders_documents(server, reference):
     ("/v1/embeddings", {"input": "hi", "dimensions": 999}, "dimensions"),
     ("/v1/embeddings", {"input": ""}, "input"),
     ("/v1/embeddings", {"input": "x" * 400}, "input"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/score", {"text_1": "a"}, "text_2"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
