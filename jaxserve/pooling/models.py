@@ -36,14 +36,14 @@ def _empty_cache(model) -> list | tuple:
 def decoder_forward(model, batch: PackedSequences) -> jax.Array:
     """A decoder's final hidden states `[T, E]` (after its final norm), attention causal
     within each packed sequence."""
-    step = StepContext(segment_attention(batch.segments, causal=True))
+    step = StepContext(segment_attention(batch, causal=True))
     return model(batch.token_ids, batch.positions, _empty_cache(model), step).hidden
 
 
 def encoder_forward(model: BertModel, batch: PackedSequences) -> jax.Array:
     """An encoder's last hidden states `[T, E]`, attention over each whole sequence."""
     return model(batch.token_ids, batch.positions,
-                 segment_attention(batch.segments, causal=False))
+                 segment_attention(batch, causal=False))
 
 
 def load_encoder(model_dir: str | Path, dtype=jnp.float32) -> BertModel:
@@ -68,7 +68,8 @@ def decoder_runner(model, spec: PoolerSpec, config: EngineConfig,
     its tokenizer."""
     yes_no = yes_no_token_ids(tokenizer) if spec.task == "classify" else None
     return PoolingRunner(model, decoder_forward, spec, config.token_buckets,
-                         config.seq_buckets, config.max_model_len, yes_no)
+                         config.seq_buckets, config.max_model_len, yes_no,
+                         share_prefixes=config.enable_prefix_caching)
 
 
 def encoder_runner(model: BertModel, spec: PoolerSpec, config: EngineConfig

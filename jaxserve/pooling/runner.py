@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.pooling.program import PackedSequences, pool
+from jaxserve.pooling.program import PackedSequences, pool, shared_prefix
 from jaxserve.pooling.spec import PoolerSpec
 
 # forward(model, batch) -> hidden states [T, E] of every packed token
@@ -36,8 +36,10 @@ class PoolingRunner:
     def __init__(self, model: nnx.Module, forward: Forward, spec: PoolerSpec,
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
                  max_model_len: int, yes_no_ids: tuple[int, int] | None = None,
-                 position_offset: int = 0):
-        """`yes_no_ids` (classify): the tokens whose logits' difference is the score."""
+                 position_offset: int = 0, share_prefixes: bool = False):
+        """`yes_no_ids` (classify): the tokens whose logits' difference is the score.
+        `share_prefixes` (causal models only): a batch whose sequences all start alike
+        runs that prefix once (`jaxserve.pooling.program`)."""
         if spec.task == "classify" and yes_no_ids is None:
             raise ValueError("a classify pooler needs the yes/no token ids")
         self.spec, self.max_model_len = spec, max_model_len
@@ -46,6 +48,7 @@ class PoolingRunner:
         self.token_buckets = tuple(token_buckets) + ((max_model_len,)
                                                      if max_model_len > self.budget else ())
         self.rows = max(seq_buckets)
+        self.share_prefixes = share_prefixes
         graphdef, state = nnx.split(model)
         self._state = state
         self._lock = threading.Lock()
@@ -91,13 +94,16 @@ class PoolingRunner:
         outputs = []
         for group in self.batches(sequences):
             members = [sequences[i] for i in group]
-            total = sum(len(ids) for ids in members)
+            shared = shared_prefix(members) if self.share_prefixes else 0
+            total = shared + sum(len(ids) - shared for ids in members)
             tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, total)]
-            outputs.append(self._run_batch(members, tokens)[:len(members)])
+            outputs.append(self._run_batch(members, tokens, shared)[:len(members)])
         return np.concatenate(outputs, axis=0)
 
-    def _run_batch(self, sequences: list[list[int]], tokens: int) -> np.ndarray:
-        batch = PackedSequences.pack(sequences, tokens, self.rows, self.position_offset)
+    def _run_batch(self, sequences: list[list[int]], tokens: int, shared: int = 0
+                   ) -> np.ndarray:
+        batch = PackedSequences.pack(sequences, tokens, self.rows, self.position_offset,
+                                     shared)
         with self._lock:
             return np.asarray(self._program(self._state, batch))
 

@@ -19,8 +19,10 @@ from jaxserve import PoolingParams
 from pooling_models import TEXTS, build_decoder, build_encoder
 from tiny_models import SMALL_ENGINE
 
-# sixteen inputs: more than a batch's rows (8), so they run in several batches
-INPUTS = TEXTS * 3 + ["fox"]
+# sixteen inputs: more than a batch's rows (8), so they run in several batches; then a
+# batch of queries behind one instruction, which a decoder's batch holds once (prefix sharing)
+INPUTS = TEXTS * 3 + ["fox"] + [f"Instruct: find the fox in the forest\nQuery: {t}"
+                                 for t in TEXTS]
 
 
 def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:

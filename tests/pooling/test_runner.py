@@ -25,23 +25,53 @@ def numpy_attention(q, k, v, causal):
     return np.einsum("hqk,khd->qhd", weights, v)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal, shared", [(True, 0), (False, 0), (True, 3)])
 @pytest.mark.parametrize("block", [4, 512])
-def test_segment_attention_is_each_sequences_own(monkeypatch, causal, block):
+def test_segment_attention_is_each_sequences_own(monkeypatch, causal, shared, block):
+    """Each row's tokens attend as its whole sequence alone would (with `shared`, the
+    prefix every row starts with is packed once and each row sees it)."""
     monkeypatch.setattr(program, "QUERY_BLOCK", block)
-    lengths, tokens = [5, 1, 7], 16
+    lengths, tokens = [5, 4, 7], 16
     rng = np.random.default_rng(0)
-    batch = PackedSequences.pack([list(range(n)) for n in lengths], tokens, rows=4)
-    q = rng.normal(size=(tokens, 4, 8)).astype(np.float32)
-    k, v = (rng.normal(size=(tokens, 2, 8)).astype(np.float32) for _ in range(2))
-    out, _ = segment_attention(batch.segments, causal)(0, q, k, v, None)
-    start = 0
-    for n in lengths:
-        part = slice(start, start + n)
-        np.testing.assert_allclose(np.asarray(out)[part],
-                                   numpy_attention(q[part], k[part], v[part], causal),
-                                   rtol=1e-5, atol=1e-5)
+    sequences = [[9, 8, 7] + list(range(n - 3)) for n in lengths]
+    batch = PackedSequences.pack(sequences, tokens, rows=4, shared=shared)
+    q_whole = [rng.normal(size=(n, 4, 8)).astype(np.float32) for n in lengths]
+    kv_whole = [rng.normal(size=(2, n, 2, 8)).astype(np.float32) for n in lengths]
+    if shared:  # the prefix's projections are one set, as a causal model's would be
+        for i in range(1, len(lengths)):
+            q_whole[i][:shared], kv_whole[i][:, :shared] = q_whole[0][:shared], \
+                kv_whole[0][:, :shared]
+    q = np.zeros((tokens, 4, 8), np.float32)
+    k, v = (np.zeros((tokens, 2, 8), np.float32) for _ in range(2))
+    q[:shared], k[:shared], v[:shared] = q_whole[0][:shared], *kv_whole[0][:, :shared]
+    start = shared
+    for qs, kvs in zip(q_whole, kv_whole):
+        n = len(qs) - shared
+        q[start:start + n], k[start:start + n], v[start:start + n] = (
+            qs[shared:], kvs[0, shared:], kvs[1, shared:])
         start += n
+    out = np.asarray(segment_attention(batch, causal)(0, q, k, v, None)[0])
+    start = shared
+    for qs, kvs in zip(q_whole, kv_whole):
+        want = numpy_attention(qs, kvs[0], kvs[1], causal)
+        n = len(qs) - shared
+        np.testing.assert_allclose(out[start:start + n], want[shared:], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[:shared], want[:shared], rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_shared_prefix_mean_and_positions():
+    sequences = [[5, 6, 7, 1], [5, 6, 7, 2, 3]]
+    assert program.shared_prefix(sequences) == 3
+    assert program.shared_prefix([[5, 6], [5, 6]]) == 1  # each keeps a token of its own
+    batch = PackedSequences.pack(sequences, tokens=8, rows=2, shared=3)
+    assert batch.token_ids[:6].tolist() == [5, 6, 7, 1, 2, 3]
+    assert batch.positions[:6].tolist() == [0, 1, 2, 3, 3, 4]
+    hidden = np.arange(8 * 2, dtype=np.float32).reshape(8, 2) ** 1.5  # [T, E]
+    np.testing.assert_allclose(pool(hidden, batch, "MEAN"), np.stack([
+        hidden[[0, 1, 2, 3]].mean(0), hidden[[0, 1, 2, 4, 5]].mean(0)]), rtol=1e-6)
+    np.testing.assert_allclose(pool(hidden, batch, "LAST"), hidden[[3, 5]])
+    np.testing.assert_allclose(pool(hidden, batch, "CLS"), hidden[[0, 0]])
 
 
 def test_pool_last_cls_mean():
