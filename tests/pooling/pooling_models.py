@@ -17,6 +17,7 @@ from tiny_models import CORPUS, VOCAB, build_model
 
 TEXTS = ["Once upon a time there was a little fox.", "The quick brown fox",
          "Héllo wörld, naïve café!", "a", "Unicode: 日本語のテキスト, emoji 🦊🌲 and symbols"]
+ATTENTION_SCALE = 4.0
 _ST_MODES = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens",
              "CLS": "pooling_mode_cls_token"}
 
@@ -69,8 +70,14 @@ def _scale(model: torch.nn.Module, factor: float, seed: int) -> None:
 
 def build_decoder(folder: Path, architecture: str, pooling: str, normalize: bool,
                   **config_overrides) -> None:
-    """A tiny Qwen3 / Qwen2 causal LM as a sentence-transformers folder."""
-    build_model(architecture, folder, max_position_embeddings=256, **config_overrides)
+    """A tiny Qwen3 / Qwen2 causal LM as a sentence-transformers folder, its attention
+    scaled up so that what a token attends to moves its hidden state."""
+    model = build_model(architecture, folder, max_position_embeddings=256, **config_overrides)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(f".{part}." in name for part in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                param.mul_(ATTENTION_SCALE)
+    model.save_pretrained(folder)
     write_tokenizer(folder)
     write_sentence_transformers(folder, pooling, normalize, hidden=64)
 
