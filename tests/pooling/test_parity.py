@@ -15,14 +15,15 @@ from jaxserve import LLM
 from jaxserve.errors import InvalidRequestError
 from jaxserve.llm import resolve_settings
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.pooling.program import shared_prefix
 from jaxserve import PoolingParams
 from pooling_models import TEXTS, build_decoder, build_encoder
 from tiny_models import SMALL_ENGINE
 
 # sixteen inputs: more than a batch's rows (8), so they run in several batches; then a
 # batch of queries behind one instruction, which a decoder's batch holds once (prefix sharing)
-INPUTS = TEXTS * 3 + ["fox"] + [f"Instruct: find the fox in the forest\nQuery: {t}"
-                                 for t in TEXTS]
+PREFIXED = [f"Instruct: fox\nQuery: {q}" for q in ("a fox", "the dog", "café")]
+INPUTS = TEXTS * 3 + ["fox"] + PREFIXED
 
 
 def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -46,6 +47,10 @@ def test_matches_sentence_transformers(tmp_path, kind, architecture, pooling, no
     assert llm.pooler.spec.pooling_type == pooling
     if options:
         assert llm.model.scan_layers
+    if kind == "decoder":  # some prefixed queries share a batch, and its prefix
+        ids = [llm.tokenizer.encode(text) for text in INPUTS]
+        assert any(shared_prefix([ids[i] for i in group]) >= 8
+                   for group in llm.pooler.engine.runner.batches(ids))
     print(f"{architecture} {pooling}: min cosine {cosines(got, want).min():.8f}")
     assert cosines(got, want).min() >= 0.9999, cosines(got, want)
     if normalize:
