@@ -74,18 +74,28 @@ class PoolingRunner:
 
     def batches(self, sequences: list[list[int]]) -> list[list[int]]:
         """Indices of `sequences` grouped into batches, in order: at most `rows` sequences
-        and `budget` tokens, or one sequence longer than that alone (its batch's attention
+        and `budget` tokens, a prefix all of a batch's sequences share counted once (with
+        `share_prefixes`), or one sequence longer than that alone (its batch's attention
         then covers only its own tokens)."""
-        groups: list[list[int]] = [[]]
-        tokens = 0
+        groups: list[list[int]] = []
+        group: list[int] = []
+        common = shortest = total = 0  # the group's shared prefix, least length, tokens
         for index, ids in enumerate(sequences):
-            full = tokens + len(ids) > self.budget or len(groups[-1]) == self.rows
-            if groups[-1] and full:
-                groups.append([])
-                tokens = 0
-            groups[-1].append(index)
-            tokens += len(ids)
-        return groups if groups[0] else []
+            if group and len(group) < self.rows:
+                joined = 0
+                if self.share_prefixes:
+                    joined = min(common if len(group) > 1 else len(ids),
+                                 _common_length(sequences[group[0]], ids),
+                                 min(shortest, len(ids)) - 1)
+                cost = joined + total + len(ids) - joined * (len(group) + 1)
+                if cost <= self.budget:
+                    group.append(index)
+                    common, shortest, total = joined, min(shortest, len(ids)), total + len(ids)
+                    continue
+            if group:
+                groups.append(group)
+            group, shortest, total = [index], len(ids), len(ids)
+        return groups + ([group] if group else [])
 
     def run(self, sequences: list[list[int]]) -> np.ndarray:
         """Each sequence's pooled vector `[N, E]` (float32, not normalized) or score `[N]`."""
@@ -125,3 +135,13 @@ def finish(vectors: np.ndarray, normalize: bool, dimensions: int | None = None
         norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
         vectors = vectors / np.maximum(norms, 1e-12)
     return vectors
+
+
+def _common_length(first: list[int], second: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count

@@ -110,8 +110,25 @@ def test_spec_from_sentence_transformers_files(tmp_path):
 
 def test_batches_hold_the_budget_and_long_inputs_alone():
     runner = PoolingRunner.__new__(PoolingRunner)  # the batching needs no model
-    runner.budget, runner.rows = 64, 3
+    runner.budget, runner.rows, runner.share_prefixes = 64, 3, False
     lengths = [10, 20, 30, 100, 5, 5, 5, 5, 60]
     groups = runner.batches([[0] * n for n in lengths])
     assert groups == [[0, 1, 2], [3], [4, 5, 6], [7], [8]]
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+
+def test_batches_count_a_shared_prefix_once():
+    runner = PoolingRunner.__new__(PoolingRunner)
+    runner.budget, runner.rows, runner.share_prefixes = 64, 8, True
+    prefix = list(range(100, 140))  # 40 tokens
+    sequences = [prefix + [i, i] for i in range(5)] + [[1] * 30, [1] * 30, [2] * 10]
+    groups = runner.batches(sequences)
+    # 40 + 5 x 2 = 50 tokens: the five share one batch; [1] * 30 twice share 29 tokens
+    # (each keeps one): 31; the last shares nothing with them, so 30 + 30 + 10 > 64
+    assert groups == [[0, 1, 2, 3, 4], [5, 6], [7]]
+    for group in groups:
+        members = [sequences[i] for i in group]
+        shared = program.shared_prefix(members)
+        assert shared + sum(len(m) - shared for m in members) <= runner.budget
+    runner.share_prefixes = False
+    assert runner.batches(sequences)[0] == [0]  # 42 + 42 > 64
