@@ -7,7 +7,9 @@ offline`, pooled by its last token), compiles the bucket each length needs, then
 times, and prints the best run's tokens/s and sequences/s. `--baseline transformers` also
 times transformers' `AutoModel` (torch) on the same inputs in batches of `--max-num-seqs`
 (the inputs of a length are equally long, so it pads nothing), last hidden state of the
-last token, normalized.
+last token, normalized. `--shared-prefix N` makes every input start with the same N tokens
+(a reranker's instruction and query before each document); the runner then holds the prefix
+once per batch unless `--no-enable-prefix-caching`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="runs per length (best kept)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every input starts with (same for all)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="share a batch's common prefix")
     parser.add_argument("--baseline", choices=["none", "transformers"], default="none",
                         help="also time transformers on the same inputs")
 
@@ -63,13 +69,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = model_folder(args.model, scratch)
         llm = LLM(folder, dtype=args.dtype, runner="pooling", max_model_len=budget,
+                  enable_prefix_caching=args.enable_prefix_caching,
                   max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                   token_buckets=(budget,), seq_buckets=(args.max_num_seqs,),
                   pooler_config={"pooling_type": "LAST", "normalize": True})
         vocab = llm.config.vocab_size if llm.config is not None else 1000
         rows = []
         for length in args.lengths:
-            prompts = [rng.integers(3, vocab, length).tolist() for _ in range(args.requests)]
+            prefix = rng.integers(3, vocab, min(args.shared_prefix, length - 1)).tolist()
+            prompts = [prefix + rng.integers(3, vocab, length - len(prefix)).tolist()
+                       for _ in range(args.requests)]
             llm.embed(prompts[:1])  # compiles this length's bucket
             best = float("inf")
             for _ in range(args.repeats):
@@ -83,7 +92,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"  {length} tokens x {args.requests}: {best:.3f} s"
                   + (f" (transformers {baseline:.3f} s)" if baseline else ""), flush=True)
     print(f"\nembeddings ({args.dtype}, token bucket {budget}, up to {args.max_num_seqs} "
-          "sequences a batch)")
+          f"sequences a batch, shared prefix {args.shared_prefix}, prefix sharing "
+          f"{'on' if args.enable_prefix_caching else 'off'})")
     print(f"{'tokens/input':>13}{'inputs':>8}{'tokens/s':>12}{'inputs/s':>10}"
           + (f"{'transformers tok/s':>20}{'ratio':>8}" if args.baseline != "none" else ""))
     for length, seconds, baseline in rows:
