@@ -108,6 +108,12 @@ class Pooler:
     def next_id(self) -> str:
         return str(next(self._ids))
 
+    def close(self) -> None:
+        """Stop the pooling thread once its queued work is done, and drop the weights it
+        holds (a model version the server retires)."""
+        self.engine.shutdown()
+        self.engine.runner.release()
+
 
 def pairs_of(data_1, data_2) -> list[tuple]:
     """vLLM's score pairing: one first text against each second (1:N) or pairwise (N:N)."""

@@ -45,6 +45,11 @@ class PoolingEngine:
         """The outputs of `sequences`, waiting for them."""
         return self.submit(sequences).result()
 
+    @property
+    def running(self) -> bool:
+        """Whether the thread still takes work."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         """Stop the thread once the queued work is done."""
         self._inbox.put(None)

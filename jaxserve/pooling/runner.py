@@ -117,6 +117,11 @@ class PoolingRunner:
         with self._lock:
             return np.asarray(self._program(self._state, batch))
 
+    def release(self) -> None:
+        """Drop the runner's reference to the weights (it runs nothing after)."""
+        with self._lock:
+            self._state = None
+
     def warm_up(self) -> float:
         """Compile every token bucket's program; seconds taken."""
         started = time.perf_counter()

@@ -49,6 +49,9 @@ def server(model_dir):
                             engine_options={**SMALL_ENGINE, "runner": "pooling"})
     with serving(options) as running:
         yield running
+    served = running.state.fleet.table.served[0]
+    served.close()  # as a reload retiring it would: the pooling thread stops
+    assert not served.llm.pooler.engine.running
 
 
 def unit(x):
