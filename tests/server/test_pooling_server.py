@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from jaxserve import LLM
-from jaxserve.server.state import ServerOptions
+from jaxserve.server.state import ServerOptions, ready_line
 from server_helpers import serving
 from tiny_models import SMALL_ENGINE
 
@@ -157,3 +157,9 @@ def test_bad_requests_name_the_field_and_the_server_carries_on(server, path, bod
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field
     assert httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"}).status_code == 200
+
+
+def test_ready_line_suggests_an_embedding():
+    line = ready_line("http://127.0.0.1:8000", NAME, api_key=False, pooling=True)
+    assert "curl http://127.0.0.1:8000/v1/embeddings" in line and '"input"' in line
+    assert "/v1/completions" in ready_line("http://127.0.0.1:8000", NAME, api_key=False)
