@@ -206,7 +206,8 @@ class ServerState:
             self.ready = True
             ids = self.fleet.table.ids()
             log.info("%s", "ready: " + ", ".join(ids) if self.options.url is None else
-                     ready_line(self.options.url, ids[0], self.api_key is not None))
+                     ready_line(self.options.url, ids[0], self.api_key is not None,
+                                pooling=self.llm.pooler is not None))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
             self.fail(f"model failed to load: {err}")
@@ -235,10 +236,12 @@ class ServerState:
         self.fleet.close()  # multi-host: releases the follower processes
 
 
-def ready_line(url: str, model_id: str, api_key: bool) -> str:
+def ready_line(url: str, model_id: str, api_key: bool, pooling: bool = False) -> str:
     """The one line logged when the server is ready: where to connect, the model's id, and a
-    request to paste."""
-    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
+    request to paste (an embedding for a `--runner pooling` server)."""
+    route = "/v1/embeddings" if pooling else "/v1/completions"
+    body = json.dumps({"model": model_id, "input": "Once upon a time"} if pooling else
+                      {"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
     auth = ' -H "Authorization: Bearer $JAXSERVE_API_KEY"' if api_key else ""
-    return (f"ready: serving {model_id} at {url} — try: curl {url}/v1/completions "
+    return (f"ready: serving {model_id} at {url} — try: curl {url}{route} "
             f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
