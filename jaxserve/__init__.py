@@ -9,12 +9,12 @@ import importlib
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest",
-           "__version__"]
+           "PoolingParams", "__version__"]
 
 # public name → the module that defines it
 _MODULES = {"LLM": "jaxserve.llm", "SamplingParams": "jaxserve.sampling_params",
             "RequestOutput": "jaxserve.outputs", "CompletionOutput": "jaxserve.outputs",
-            "LoRARequest": "jaxserve.lora.request"}
+            "LoRARequest": "jaxserve.lora.request", "PoolingParams": "jaxserve.pooling.outputs"}
 
 
 def __getattr__(name: str):

@@ -32,10 +32,14 @@ from jaxserve.loading import checkpoint
 from jaxserve.loading.hub import resolve_model
 from jaxserve.model.config import (ModelConfig, eos_token_ids, resolve_dtype,
                                    with_expert_parallel, with_quantization)
-from jaxserve.engine.engine import Engine, engine_mesh
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.engine_setup import engine_mesh
 from jaxserve.config.engine import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.api import PoolingAPI
+from jaxserve.pooling.setup import (encoder_parts, engine_config_for_pooling,
+                                    is_encoder_folder, pooler_for_decoder, refuse_encoder)
 from jaxserve.presets import engine_settings
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative import eagle3
@@ -83,11 +87,15 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     they make, checked against each other (`ValueError` naming what is wrong). Cheap: what
     `jaxserve serve` runs before it opens its socket."""
     model_dir = resolve_model(model)
+    if engine_options.get("runner") == "pooling":
+        refuse_encoder(model_dir)
     model_config = checkpoint.model_config(model_dir)
     preset_dtype, engine_options = engine_settings(config, jax.default_backend(),
                                                    engine_options)
     resolved_dtype = resolve_dtype(dtype or preset_dtype or "auto", model_config.checkpoint_dtype)
     engine_config = engine_config_for(model_config, engine_options)
+    if engine_config.runner == "pooling":
+        engine_config = engine_config_for_pooling(engine_config)
     spec = engine_config.speculative_config
     if spec is not None and spec.method == "draft_model":
         draft_config(spec, model_config)  # the draft's folder and vocabulary, checked early
@@ -104,8 +112,10 @@ def resolve_settings(model: str, dtype: str | None, config: str | None,
     return Settings(model_dir, model_config, resolved_dtype, engine_config)
 
 
-class LLM:
-    """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python."""
+class LLM(PoolingAPI):
+    """Loads a Hugging Face model folder (or orbax checkpoint) and generates from Python;
+    with `runner="pooling"` it embeds and scores instead (`embed`, `score`:
+    `jaxserve.pooling`)."""
 
     def __init__(self, model: str, dtype: str | None = None, config: str | None = None,
                  progress: bool = True, tokenizer: str | None = None, seed: int = 0,
@@ -114,6 +124,16 @@ class LLM:
         `dtype` and `engine_options` override the preset's. As vLLM's: `tokenizer`, a folder
         or Hub id to take the tokenizer from instead of the model's; `seed`, of the random
         draws of requests that give no seed of their own."""
+        self.pooler = None
+        self._request_ids = itertools.count()
+        if engine_options.get("runner") == "pooling" and is_encoder_folder(
+                resolve_model(model)):  # a BERT-family encoder: a pooler, no engine
+            self.model_dir = resolve_model(model)
+            parts = encoder_parts(self.model_dir, dtype, config, engine_options,
+                                  None if tokenizer is None else resolve_model(tokenizer))
+            self.engine_config, self.tokenizer = parts.engine_config, parts.tokenizer
+            self.pooler, self.engine, self.config = parts.pooler, None, None
+            return
         settings = resolve_settings(model, dtype, config, engine_options)
         model_dir = settings.model_dir
         self.model_dir = model_dir  # the folder it was loaded from (a Hub id's snapshot)
@@ -141,7 +161,9 @@ class LLM:
                              load_seconds=time.perf_counter() - started, draft=draft)
         self.model = self.engine.model  # the engine's layout (stacked layers consume the list)
         self.engine.reseed(seed)
-        self._request_ids = itertools.count()
+        if self.engine_config.runner == "pooling":
+            self.pooler = pooler_for_decoder(model_dir, self.model, self.engine_config,
+                                             self.tokenizer)
 
     # ---- prompts ----------------------------------------------------------------------
     def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
@@ -184,6 +206,9 @@ class LLM:
         """One `RequestOutput` per prompt, in order. `lora_request` (with `enable_lora`): the
         adapter of every prompt, or one per prompt (None: the base model); an adapter's
         folder is read the first time it is named."""
+        if self.pooler is not None:
+            raise ValueError("this LLM was built with runner='pooling': it embeds and scores "
+                             "(embed, score) and does not generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

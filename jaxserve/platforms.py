@@ -31,7 +31,8 @@ class Platform:
     used when none is named. `quick_compile_options`: XLA options that compile a program
     much sooner and run it slower, for the first programs of a server that compiles the rest
     in the background and swaps these for full ones (`jaxserve.engine.background_compile`):
-    on CPU LLVM at -O0, about a third of the compile time for ~30% less batch throughput
+    on CPU LLVM at -O0 (about a third of a full compile) with XLA:CPU's older elemental
+    emitters instead of its fusion emitters (about 40% less again), for slower steps
     (docs/performance.md)."""
 
     name: str
@@ -44,7 +45,8 @@ class Platform:
 PLATFORMS = {
     "cpu": Platform("cpu", scan_layers_by_default=False, restores_cached_programs=False,
                     default_preset=PRESETS / "cpu.toml",
-                    quick_compile_options=(("xla_backend_optimization_level", 0),)),
+                    quick_compile_options=(("xla_backend_optimization_level", 0),
+                                           ("xla_cpu_use_fusion_emitters", False))),
     "tpu": Platform("tpu", scan_layers_by_default=True, restores_cached_programs=True),
     "gpu": Platform("gpu", scan_layers_by_default=True, restores_cached_programs=True),
 }

@@ -46,6 +46,7 @@ PACKAGE_ORDER = [
     {"speculative"},
     {"engine"},  # with the async engine and the Prometheus metrics
     {"presets"},
+    {"pooling"},  # embeddings and scores: the pooling runner beside the engine
     {"llm"},
     {"fleet"},
     {"server"},

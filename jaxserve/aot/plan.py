@@ -52,7 +52,7 @@ from jaxserve.model.config import with_expert_parallel, with_quantization
 from jaxserve.engine import cache_audit, weight_layouts
 from jaxserve.engine.cache_audit import PagePools
 from jaxserve.config.engine import EngineConfig
-from jaxserve.engine.engine import scan_layers_for
+from jaxserve.engine.engine_setup import scan_layers_for
 from jaxserve.engine.kv_cache import full_page_bytes, pages_for_memory, window_pool_bytes
 from jaxserve.engine.memory_budget import MemoryBudget
 from jaxserve.config.window import WindowLayout

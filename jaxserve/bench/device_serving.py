@@ -157,7 +157,8 @@ def random_model(config, dtype, mesh, seed: int = 0):
 def build_engine(config, options: dict[str, Any], progress: bool):
     """The engine `serve` builds from the platform's preset plus `options`, on a random
     model of `config`; (engine, engine options used, weight bytes per device)."""
-    from jaxserve.engine.engine import Engine, engine_mesh
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.engine_setup import engine_mesh
     from jaxserve.llm import engine_config_for
     from jaxserve.model.config import resolve_dtype, with_quantization
     from jaxserve.presets import engine_settings

@@ -192,7 +192,7 @@ def _add_bench(commands) -> None:
     """`bench KIND`: each kind's module adds its arguments and runs it."""
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from jaxserve.bench import (device_bench, load_bench, lora_bench, lora_products,
+    from jaxserve.bench import (device_bench, embed_bench, load_bench, lora_bench, lora_products,
                                 models_bench, offline_bench, pool_bench, quality_bench,
                                 serve_bench, speculative_bench, startup_bench,
                                 structured_bench)
@@ -209,6 +209,8 @@ def _add_bench(commands) -> None:
                           "grouped): CPU time and compile-only TPU/GPU flops and bytes"),
         "spec": (speculative_bench, "the engine with and without speculative decoding at "
                                     "several concurrencies: tokens/s, TPOT, acceptance"),
+        "embed": (embed_bench, "the pooling runner's embeddings: tokens/s at short and long "
+                               "inputs"),
         "pool": (pool_bench, "a single request's decode step at several KV pool sizes "
                              "(must be flat)"),
         "structured": (structured_bench,

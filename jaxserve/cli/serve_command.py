@@ -147,7 +147,7 @@ def _models_file_options(args: argparse.Namespace):
                                   adapters)
         except ValueError as err:
             raise ValueError(f"{args.models}: {entry.pinned_id}: {err}") from None
-    return ServerOptions(models_file=args.models)
+    return ServerOptions(models_file=args.models, compile_in_background=True)
 
 
 def _reload_on_sighup(state) -> None:
@@ -174,7 +174,7 @@ def _check_before_serving(model: str, dtype: str | None, config: str | None,
     (folder, config.json, preset, option conflicts, the mesh, the LoRA folders' configs): a
     `ValueError` here exits 2 before the socket opens, instead of a server that never
     becomes healthy."""
-    from jaxserve.engine.engine import engine_mesh
+    from jaxserve.engine.engine_setup import engine_mesh
     from jaxserve.llm import resolve_settings
     from jaxserve.lora.adapter import adapter_folder, read_adapter_config
 

@@ -20,7 +20,8 @@ ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "reference")  # jaxserve.attentio
 # a preset's sections for the engine options (`jaxserve.presets` adds [hardware] and [plan])
 # vLLM's switch for batch-invariant inference, read when enable_deterministic_inference is unset
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
-SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora")
+SECTIONS = ("mesh", "model", "kv_cache", "batching", "compile", "speculative", "lora",
+            "pooling")
 
 
 def _option(default, section: str, help: str, choices: tuple | None = None,
@@ -123,6 +124,17 @@ class EngineConfig:
         "draft_model, eagle3), num_speculative_tokens, prompt_lookup_min/max, model (the "
         "draft or EAGLE-3 head), disable_by_batch_size; a JSON object on the command line, "
         "a preset's [speculative] table")
+
+    runner: str = _option("generate", "model", "generate: text generation; pooling: "
+                          "embeddings and scores (/v1/embeddings, /pooling, /score, /rerank; "
+                          "jaxserve.pooling)", choices=("generate", "pooling"))
+    convert: str = _option("auto", "model", "with runner pooling: embed (pooled vectors) or "
+                           "classify (a causal LM scored by its yes/no logits, as "
+                           "Qwen3-Reranker); auto: from the model folder",
+                           choices=("auto", "embed", "classify"))
+    pooler_config: dict | None = _option(None, "pooling", "with runner pooling: vLLM's "
+                                         "pooling_type (LAST, MEAN, CLS) and normalize, over "
+                                         "the model folder's sentence-transformers config")
 
     enable_lora: bool = _option(False, "lora", "serve LoRA adapters beside the base model "
                                 "(jaxserve.lora)")

@@ -6,17 +6,17 @@ Chunked prefill makes any request runnable on the smallest buckets: a step holds
 scheduler's token budget and row count, so capping those to the buckets that exist keeps
 every step on compiled programs — slower (more, smaller steps), never wrong.
 
-The ladders are climbed in `rungs`: rung k caps a step at the k-th token bucket and the k-th
-sequence bucket (each ladder held at its top once it runs out) and needs every program whose
-bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`; on
-CPU with the platform's `quick_compile_options`, LLVM at -O0, unless the executable store
-already holds the full programs), a `BackgroundCompiler` thread compiles the programs of
-the rungs above, in order, two at a time, and hands each over through a queue. Only the
-engine's own thread takes them in (`adopt`, between steps): it runs each program once on
-an all-padding batch (as warm-up does) and, once a whole rung is in, raises the
-scheduler's caps. Last, the thread compiles rung 0's quick programs in full, and each
-replaces its quick one the same way. So a request never waits on a compile, and a step
-never asks for a program that is not there: the runner refuses that outright while
+The ladders are climbed in `rungs`: rung k caps a step at the k-th token bucket and the
+k-th sequence bucket (each ladder held at its top once it runs out) and needs every program
+whose bucket fits both caps. The engine compiles rung 0 before it serves (`Runner.warm_up`;
+on CPU with the platform's `quick_compile_options`, LLVM at -O0 and the elemental emitters,
+unless the executable store already holds the full programs), a `BackgroundCompiler` thread
+compiles the programs of the rungs above, in order, two at a time, and hands each over
+through a queue. Only the engine's own thread takes them in (`adopt`, between steps): it
+runs each program once on an all-padding batch (as warm-up does) and, once a whole rung is
+in, raises the scheduler's caps. Last, the thread compiles rung 0's quick programs in full,
+and each replaces its quick one the same way. So a request never waits on a compile, and a
+step never asks for a program that is not there: the runner refuses that outright while
 programs are still landing (`CompileAfterWarmupError`), and once all have landed the usual
 zero-compiles-after-warm-up guarantee holds.
 """

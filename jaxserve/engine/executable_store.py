@@ -15,6 +15,10 @@ computed *without* tracing, from everything that shapes the program:
   loading packages and top-level modules, `pallas_kernels`, `sharding`): a change there is a
   new key, so an edit never runs a stale program (at the price of one compile).
 
+Beside the programs the store keeps small JSON records under keys of the same kind: the
+weight layouts XLA chose in the TPU runner's layout probe (`Runner.weight_layouts`), which
+every program's key includes, so a warm restart compiles nothing at all.
+
 A miss compiles as before and writes the entry. An entry that cannot be used — truncated,
 wrong checksum, not unpicklable, a different call signature, or a program that fails its
 first run (`Engine` runs each program once on an empty batch at start) — is a warning, the
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import pickle
@@ -139,14 +144,7 @@ class ExecutableStore:
         with a warning). `in_tree`: how the caller will call it; an entry called otherwise
         is unusable."""
         path = self.path(key)
-        if not path.exists():
-            return None
-        folder_problem = untrusted_reason(self.folder)
-        if folder_problem is not None:
-            if not self._warned_folder:
-                log.warning("not reading the executable cache %s: the folder %s; compiling",
-                            self.folder, folder_problem)
-                self._warned_folder = True
+        if not path.exists() or not self._folder_trusted():
             return None
         entry_problem = untrusted_reason(path)
         if entry_problem is not None:
@@ -176,17 +174,58 @@ class ExecutableStore:
         program that cannot be serialized or a folder that cannot be written is a warning."""
         try:
             body = pickle.dumps(serialize_executable.serialize(compiled))
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            partial = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(FORMAT + hashlib.sha256(body).digest() + body)
-            os.replace(partial, self.path(key))
+            self._write(self.path(key), FORMAT + hashlib.sha256(body).digest() + body)
         except Exception as err:  # noqa: BLE001 - the store is an optimization
             log.warning("could not keep a compiled program in %s (%s: %s)", self.folder,
                         type(err).__name__, err)
             return
         self.written += 1
+
+    def record_path(self, key: str) -> Path:
+        return self.folder / f"{key}.json"
+
+    def load_record(self, key: str) -> Any:
+        """The JSON value kept under `key` by `save_record`, or None (missing, or unusable:
+        removed with a warning). Records are data, never code; they are still read only from
+        a folder and file of this user's own, as entries are."""
+        path = self.record_path(key)
+        if not path.exists() or not self._folder_trusted():
+            return None
+        problem = untrusted_reason(path)
+        try:
+            if problem is not None:
+                raise ValueError(f"the file {problem}")
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            log.warning("ignoring executable cache record %s (%s)", path.name, err)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save_record(self, key: str, value: Any) -> None:
+        """Keep the JSON value `value` under `key` (atomically); a failure is a warning."""
+        try:
+            self._write(self.record_path(key), json.dumps(value).encode())
+        except OSError as err:
+            log.warning("could not keep a record in %s (%s)", self.folder, err)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write `data` to `path` atomically (a reader sees all of it or nothing), the file
+        owner-only, in a folder created owner-only."""
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = self.folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        os.replace(partial, path)
+
+    def _folder_trusted(self) -> bool:
+        """Whether the folder is this user's own and not writable by others (warned once)."""
+        problem = untrusted_reason(self.folder)
+        if problem is not None and not self._warned_folder:
+            log.warning("not reading the executable cache %s: the folder %s; compiling",
+                        self.folder, problem)
+            self._warned_folder = True
+        return problem is None
 
     def reject(self, key: str, reason: str) -> None:
         """Remove an unusable entry, saying why."""

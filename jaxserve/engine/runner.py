@@ -308,20 +308,40 @@ class Runner:
         kind, tokens, rows = min((b for b in self.bucket_programs() if b[0] != "step"),
                                  key=lambda b: b[2])
         function, out_shardings = self._programs[kind]
-        if self.config.enable_deterministic_inference:
-            function = fixed_order.traced_with_row_tiles(function)
+        args = self._arguments(kind, tokens, rows)
+        key = None
+        if self.executable_store is not None:  # a warm restart reads the probe's result
+            description = {**self._shape_description(kind, tokens, rows, args),
+                           "probe": "weight_layouts"}
+            key = program_store_key(description, list(self.mesh.devices.flat))
+            kept = self.executable_store.load_record(key)
+            if kept is not None:
+                try:
+                    return weight_layouts.layouts_from_json(kept)
+                except ValueError as err:
+                    log.warning("probing the weight layouts again: the kept ones are "
+                                "unusable (%s)", err)
         try:
-            return weight_layouts.chosen_layouts(
+            layouts = weight_layouts.chosen_layouts(
                 functools.partial(function, self._layout(kind, tokens, rows)), out_shardings,
-                self._arguments(kind, tokens, rows), self._num_model_leaves, self.platform)
+                args, self._num_model_leaves, self.platform)
         except Exception as err:  # noqa: BLE001 - reported by the programs' compiles
             log.warning("weights keep the default layouts: the layout probe (%s, %d rows) did "
                         "not compile: %s", kind, rows, str(err).splitlines()[0][:300])
             return []
+        if key is not None:
+            self.executable_store.save_record(key, weight_layouts.layouts_to_json(layouts))
+        return layouts
 
     def program_description(self, kind: str, tokens: int, rows: int, args) -> dict:
         """What shapes a bucket's program, known without tracing it (with the devices and
         the environment, `executable_store.program_store_key` makes it a key)."""
+        return {**self._shape_description(kind, tokens, rows, args),
+                "weight_layouts": [str(layout) for layout in self.weight_layouts()]}
+
+    def _shape_description(self, kind: str, tokens: int, rows: int, args) -> dict:
+        """`program_description` but the weights' pinned layouts (which the probe keyed by
+        this description chooses)."""
         cfg = self.config
         spec = None
         if kind == "spec":  # the draft's path does not shape a program; its config does
@@ -335,7 +355,6 @@ class Runner:
                             "deterministic": cfg.enable_deterministic_inference},
                 "attention": type(self.attention).__name__, "state": str(self._state_def),
                 "window_layers": self.attention.window_layers,
-                "weight_layouts": [str(layout) for layout in self.weight_layouts()],
                 "arguments": [(a.shape, str(a.dtype), str(a.sharding))
                               for a in jax.tree.leaves(args)]}
 

@@ -13,9 +13,11 @@ temporaries in the decode programs (docs/models.md).
 So on TPU the runner lets XLA choose the model's weight layouts for the decode loop, the hot
 program (`Layout.AUTO`, in one probe compile of the smallest decode program: `chosen_layouts`),
 pins every program to them (`pinned`), and the engine moves the weights into them before the
-first runs (`donation_guard.placed_for`). On CPU and GPU every program reads the default
-(row-major) layouts, so nothing is pinned. `weight_copies` counts the copies a compiled program
-makes of a whole weight: `jaxserve plan` reports it per program, and the tests hold it at zero.
+first runs (`donation_guard.placed_for`). The executable store keeps the probe's result
+(`layouts_to_json`), so a warm restart does not compile it again. On CPU and GPU every program
+reads the default (row-major) layouts, so nothing is pinned. `weight_copies` counts the copies
+a compiled program makes of a whole weight: `jaxserve plan` reports it per program, and the
+tests hold it at zero.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def chosen_layouts(function: Callable, out_shardings, args: list, count: int,
                    platform: str) -> list[Layout | None]:
     """The layouts XLA chooses for the first `count` leaves of `args[0]` (the model's
     weights) when free to choose them, from one compile of `function` (a program, its
-    argument 1 donated) for `platform`; None for a leaf the program does not read."""
+    argument 1 donated) for `platform`; None for a leaf the program does not read. `args`
+    may be live arrays (a serving engine's) or abstract ones (a plan's): the probe lowers
+    against their shapes, as a live array already has a layout and jit refuses AUTO for it."""
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        args)
     weights = [Format(Layout.AUTO, leaf.sharding) if i < count else leaf.sharding
                for i, leaf in enumerate(args[0])]
     rest = [jax.tree.map(lambda leaf: leaf.sharding, arg) for arg in args[1:]]
@@ -59,6 +65,27 @@ def chosen_layouts(function: Callable, out_shardings, args: list, count: int,
     formats = jax.tree.leaves(compiled.input_formats[0][0],
                               is_leaf=lambda node: isinstance(node, Format))
     return [f.layout if f.sharding is not None else None for f in formats[:count]]
+
+
+def layouts_to_json(layouts: Sequence[Layout | None]) -> list:
+    """`layouts` as JSON values (the executable store keeps a probe's result beside the
+    programs, so a warm restart does not compile the probe again)."""
+    return [None if layout is None else
+            {"major_to_minor": list(layout.major_to_minor),
+             "tiling": None if layout.tiling is None else [list(t) for t in layout.tiling],
+             "sub_byte_element_size_in_bits": layout.sub_byte_element_size_in_bits}
+            for layout in layouts]
+
+
+def layouts_from_json(values: list) -> list[Layout | None]:
+    """The inverse of `layouts_to_json` (`ValueError` for a value that is not one)."""
+    try:
+        return [None if v is None else Layout(
+            tuple(v["major_to_minor"]),
+            None if v["tiling"] is None else tuple(tuple(t) for t in v["tiling"]),
+            int(v["sub_byte_element_size_in_bits"])) for v in values]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a list of layouts: {err}") from None
 
 
 def pinned(weights: Sequence, layouts: Sequence[Layout | None]) -> list:

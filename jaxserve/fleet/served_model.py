@@ -106,6 +106,8 @@ class ServedModel:
         self.seat.leave()
         self.llm.engine.shutdown()
         self.llm.engine.release()
+        if self.llm.pooler is not None:
+            self.llm.pooler.close()
 
 
 class AdapterVersion(ServedModel):

@@ -48,6 +48,7 @@ from jaxserve.server.auth import (AuthError, admin_key_dependency, api_key_depen
                                   check_api_key)
 from jaxserve.server.generation_defaults import with_defaults
 from jaxserve.server.lora_routes import add_lora_routes
+from jaxserve.server.pooling_routes import add_pooling_routes
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from jaxserve.server.router_routes import RequestIdMiddleware, add_router_routes
 from jaxserve.server.state import ReloadBusyError, ServerState
@@ -88,6 +89,7 @@ def create_app(state: ServerState) -> FastAPI:
     admin = [admin_key_dependency(lambda: state.admin_api_key)]
     add_status_routes(app, state, v1, admin)
     add_generation_routes(app, state, v1)
+    add_pooling_routes(app, state, v1, _route)
     add_tokenizer_routes(app, state, v1)
     add_lora_routes(app, state, admin)
     add_router_routes(app, state, v1)
@@ -230,6 +232,10 @@ def _build_job(state: ServerState, served: ServedModel, body, build: Callable, a
     them, its grammar compiled (first here, so that an error names the field the client
     sent; the job finds it cached). Seconds for a long prompt: run it off the event
     loop."""
+    if served.llm.pooler is not None:
+        raise InvalidRequestError("model", f"model {served.entry.name!r} is served with "
+                                  "--runner pooling: it answers /v1/embeddings, /pooling, "
+                                  "/score and /rerank, not generation")
     body = with_defaults(body, state.generation_defaults(served))
     state.request_limits.check(body)
     structured = body.structured()

@@ -60,6 +60,9 @@ class ServerOptions:
     cors: dict | None = None  # CORSMiddleware's keywords; None: no cross-origin access
     tokenizer: str | None = None  # the one model's tokenizer from another folder or Hub id
     seed: int = 0  # of the random draws of requests without a seed (vLLM's --seed)
+    # a models file's entries serve on their smallest buckets while the rest compile
+    # (`jaxserve serve --models` turns it on; an entry's own option wins)
+    compile_in_background: bool = False
 
     def __post_init__(self):
         if (self.model is None) == (self.models_file is None):
@@ -78,11 +81,14 @@ class ServerOptions:
                              "options per model in the file, not as flags")
 
 
-def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0) -> LLM:
+def build_llm(entry: ModelEntry, tokenizer: str | None = None, seed: int = 0,
+              compile_in_background: bool = False) -> LLM:
     """One entry's LLM: its folder, dtype and preset, its engine options on top (and the
-    server's `tokenizer` and `seed`, `ServerOptions`)."""
+    server's `tokenizer`, `seed` and `compile_in_background`, `ServerOptions`; an entry's
+    own `compile_in_background` wins)."""
+    options = {"compile_in_background": compile_in_background, **entry.options()}
     return LLM(entry.path, dtype=entry.dtype, config=entry.config, tokenizer=tokenizer,
-               seed=seed, **entry.options())
+               seed=seed, **options)
 
 
 class ServerState:
@@ -92,7 +98,8 @@ class ServerState:
                  build: Callable[[ModelEntry], LLM] = build_llm):
         self.options = options
         if build is build_llm:
-            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed)
+            build = functools.partial(build_llm, tokenizer=options.tokenizer, seed=options.seed,
+                                      compile_in_background=options.compile_in_background)
         self.api_key = options.api_key
         self.admin_api_key = options.admin_api_key
         self.metrics_need_api_key = options.metrics_need_api_key
@@ -199,7 +206,8 @@ class ServerState:
             self.ready = True
             ids = self.fleet.table.ids()
             log.info("%s", "ready: " + ", ".join(ids) if self.options.url is None else
-                     ready_line(self.options.url, ids[0], self.api_key is not None))
+                     ready_line(self.options.url, ids[0], self.api_key is not None,
+                                pooling=self.llm.pooler is not None))
         except Exception as err:  # noqa: BLE001 - reported by /health, logged in full
             log.exception("model failed to load")
             self.fail(f"model failed to load: {err}")
@@ -228,10 +236,12 @@ class ServerState:
         self.fleet.close()  # multi-host: releases the follower processes
 
 
-def ready_line(url: str, model_id: str, api_key: bool) -> str:
+def ready_line(url: str, model_id: str, api_key: bool, pooling: bool = False) -> str:
     """The one line logged when the server is ready: where to connect, the model's id, and a
-    request to paste."""
-    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
+    request to paste (an embedding for a `--runner pooling` server)."""
+    route = "/v1/embeddings" if pooling else "/v1/completions"
+    body = json.dumps({"model": model_id, "input": "Once upon a time"} if pooling else
+                      {"model": model_id, "prompt": "Once upon a time", "max_tokens": 24})
     auth = ' -H "Authorization: Bearer $JAXSERVE_API_KEY"' if api_key else ""
-    return (f"ready: serving {model_id} at {url} — try: curl {url}/v1/completions "
+    return (f"ready: serving {model_id} at {url} — try: curl {url}{route} "
             f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.model.hf_config import load_config
-from jaxserve.engine.engine import engine_mesh
+from jaxserve.engine.engine_setup import engine_mesh
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.runner import Runner
 from jaxserve.loading.weights import load_weights, shard_model

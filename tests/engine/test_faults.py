@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES, EngineFailedError
+from jaxserve.engine.step_results import MAX_CONSECUTIVE_FAILURES, EngineFailedError
 from tiny_models import SMALL_ENGINE, build_model
 
 PROMPT = list(range(3, 40))  # two full pages: a prefix-cache entry once it has run

@@ -47,3 +47,46 @@ def test_no_program_of_the_cpu_engine_copies_a_weight(model, tmp_path):
     weights = runner.program_inputs("step", *runner.bucket_programs()[0][1:])[1][0]
     for bucket in runner.bucket_programs():
         assert weight_copies(runner.program(*bucket).as_text(), weights) == 0, bucket
+
+
+def test_pinned_layouts_serve_and_a_restart_reads_the_probe_from_the_store(tmp_path,
+                                                                          monkeypatch):
+    """The TPU path, on CPU: with the platform's layouts left to XLA (`PINNED_PLATFORMS`),
+    a serving engine probes them from live weights (a probe lowered against the live arrays
+    failed, so a TPU server pinned nothing), places the weights in them and gives
+    transformers' greedy tokens. XLA:CPU, left free, lays the shipped model's 2-D weights out
+    column-major, so the pinning is not a no-op. A second start on the same executable store
+    reads the layouts kept beside the programs instead of compiling the probe again (here
+    the probe is made to fail, which would pin nothing)."""
+    import torch
+    import transformers
+
+    from jaxserve import SamplingParams
+    from jaxserve.engine import weight_layouts as layouts_module
+    from tiny_models import transformers_greedy
+
+    monkeypatch.setattr(layouts_module, "PINNED_PLATFORMS", ("tpu", "cpu"))
+    prompts = [[3, 17, 250, 9, 41], [5, 6]]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR,
+                                                                 dtype=torch.float32)
+    expected = [transformers_greedy(hf_model, p, 8) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = {**SMALL_ENGINE, "compilation_cache_dir": str(tmp_path)}
+
+    def start() -> tuple[list, list]:
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", progress=False, **options)
+        chosen = llm.engine.replicas[0].runner.weight_layouts()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return chosen, [o.outputs[0].token_ids for o in outputs]
+
+    chosen, tokens = start()
+    assert tokens == expected
+    assert any(layout is not None and layout.major_to_minor == (0, 1) for layout in chosen)
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # the probe's layouts, kept
+
+    def no_probe(*_, **__):
+        raise AssertionError("a warm start compiled the layout probe")
+
+    monkeypatch.setattr(layouts_module, "chosen_layouts", no_probe)
+    again, tokens = start()
+    assert again == chosen and tokens == expected

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
+from jaxserve.engine.step_results import MAX_CONSECUTIVE_FAILURES
 from jaxserve.lora.runtime import RuntimeLoRAUpdating
 from jaxserve.server.app import create_app
 from jaxserve.server.state import ServerOptions, ServerState

@@ -330,7 +330,7 @@ def test_the_devices_option_places_an_engines_mesh():
     import jax
 
     from jaxserve.config.engine import EngineConfig
-    from jaxserve.engine.engine import engine_mesh
+    from jaxserve.engine.engine_setup import engine_mesh
 
     mesh = engine_mesh(EngineConfig(devices=(3, 5), tensor_parallel_size=2))
     assert [d.id for d in mesh.devices.flat] == [jax.local_devices()[i].id for i in (3, 5)]

@@ -250,3 +250,51 @@ def test_a_bad_reload_keeps_the_old_configuration(server, tmp_path):
     assert failed.status_code == 500 and "gone@1 failed to load" in failed.text
     assert fleet.table is before
     assert complete(server, "shipped").status_code == 200
+
+
+def test_a_models_file_serves_while_its_larger_buckets_compile(folder, tmp_path):
+    """`jaxserve serve --models` (`ServerOptions.compile_in_background`): each entry serves
+    on its smallest buckets' programs and compiles the rest in the background, unless the
+    entry says otherwise. Two rungs of each ladder: 4 step programs and 2 decode loops, of
+    which the smallest rung's 2 exist when /health first answers 200; then all 6 land, and
+    the answers are transformers' greedy tokens before and after."""
+    import torch
+    import transformers
+
+    from tiny_models import LADDERS, transformers_greedy
+
+    ladders = "\n".join(f"{key} = {json.dumps(list(v))}" for key, v in LADDERS.items())
+    entry = ('[[models]]\nname = "{name}"\npath = "{path}"\ndtype = "float32"\n'
+             'max_num_seqs = 8\nmax_num_batched_tokens = 64\n{ladders}\n{more}')
+    models = tmp_path / "models.toml"
+    # the background entry loads last, on a store of its own (nothing read from other tests)
+    models.write_text(entry.format(name="blocking", path=folder, ladders=ladders,
+                                   more="compile_in_background = false\n")
+                      + entry.format(name="tiny", path=folder, ladders=ladders,
+                                     more=f'compilation_cache_dir = "{tmp_path / "cache"}"\n'))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = [1, 5, 9, 14]
+    expected = transformers_greedy(hf_model, prompt, 6)
+    running = ThreadedServer(ServerState(ServerOptions(models_file=str(models),
+                                                       compile_in_background=True))).start()
+    try:
+        running.wait_ready()
+        health = httpx.get(f"{running.url}/health").json()
+        assert health["models"] == {"blocking@1": "ready", "tiny@1": "warming"}
+        assert health["programs"]["blocking@1"] == {"ready": 6, "total": 6}
+        assert health["programs"]["tiny@1"]["ready"] < 6
+
+        def tokens(model: str) -> list[int]:
+            answer = httpx.post(f"{running.url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            return answer.json()["choices"][0]["token_ids"]
+
+        assert tokens("tiny") == tokens("blocking") == expected
+        wait_until(lambda: httpx.get(f"{running.url}/health").json()["models"]["tiny@1"]
+                   == "ready", 300, "the background compiles did not land")
+        assert httpx.get(f"{running.url}/health").json()["programs"]["tiny@1"] == {
+            "ready": 6, "total": 6}
+        assert tokens("tiny") == expected
+    finally:
+        running.stop()

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from jaxserve.engine.engine import MAX_CONSECUTIVE_FAILURES
+from jaxserve.engine.step_results import MAX_CONSECUTIVE_FAILURES
 from jaxserve.server.state import ServerOptions
 from server_helpers import serving, wait_until
 from tiny_models import SMALL_ENGINE

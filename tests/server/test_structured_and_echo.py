@@ -4,7 +4,8 @@ the shipped model.
 References: `jsonschema` and `re` for constrained outputs; `transformers`' float32
 `log_softmax` on the same folder for echoed and vLLM-style prompt log-probabilities; each
 prompt of a batch served alone for batched prompts. The server never compiles after
-warm-up (`strict_compile`).
+warm-up (`strict_compile`); one rung of each ladder keeps its start-up to two programs
+(chunked prefill runs the longer prompts on it).
 """
 
 import json
@@ -32,6 +33,8 @@ SCHEMA = {"type": "object",
                                                              "maxLength": 6},
                                    "maxItems": 2}},
           "required": ["name", "year", "tone", "words"], "additionalProperties": False}
+ONE_RUNG = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "token_buckets": [64],
+            "seq_buckets": [8]}
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "letter", "schema": SCHEMA, "strict": True}}
 
@@ -39,7 +42,7 @@ RESPONSE_FORMAT = {"type": "json_schema",
 @pytest.fixture(scope="module")
 def server():
     options = ServerOptions(model=str(MODEL), served_model_name=[NAME],
-                            engine_options={"strict_compile": True})
+                            engine_options={"strict_compile": True, **ONE_RUNG})
     with serving(options) as running:
         yield running
 
