@@ -35,7 +35,7 @@ PLAIN_CORE = ["jaxserve.engine.scheduler", "jaxserve.engine.page_allocator",
 # jaxserve's packages and top-level modules, bottom layer first; a package may import its
 # own modules and those of the layers below it, never one beside or above it.
 PACKAGE_ORDER = [
-    {"errors", "platforms", "default_model"},
+    {"errors", "platforms", "default_model", "fixed_order"},  # fixed_order: jax only
     {"structured_output"},
     {"sampling_params", "tool_calling"},
     {"outputs", "config"},  # config: engine and speculative options, the window layout

@@ -82,7 +82,8 @@ from jaxserve.platforms import platform as platform_traits
 from jaxserve.sampling.sampler import SampleResult, TargetLogprobs
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.stacks import slot_stacks, write_slot
-from jaxserve.model import LlamaModel, fixed_order
+from jaxserve import fixed_order
+from jaxserve.model import LlamaModel
 from jaxserve.model.expert_placement import expert_mixture
 from jaxserve.model.lora import LORA_MODULES
 from jaxserve.speculative import eagle3

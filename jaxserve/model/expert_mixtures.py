@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import fixed_order
+from jaxserve import fixed_order
 
 
 @jax.tree_util.register_dataclass

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model import fixed_order
+from jaxserve import fixed_order
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.contract import AttentionFn, ExpertMixture, ModelOutput, StepContext
 from jaxserve.model.lora import LoRABatch, add_delta

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model import fixed_order
+from jaxserve import fixed_order
 from jaxserve.model.config import ModelConfig, MoEConfig
 from jaxserve.model.contract import ExpertMixture
 from jaxserve.model.expert_mixtures import ExpertKernels, default_mixture, sort_pairs

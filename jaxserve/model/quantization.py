@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import fixed_order
+from jaxserve import fixed_order
 from jaxserve.model.config import ModelConfig, WeightQuantization
 from pallas_kernels import absmax
 

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import fixed_order
+from jaxserve import fixed_order
 from jaxserve.sampling.arrays import SamplingArrays
 from jaxserve.sampling_params import MAX_LOGPROBS
 
