@@ -26,12 +26,12 @@ from typing import Literal, Union
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.pooling.api import Pooler, pairs_of
 from jaxserve.pooling.outputs import PoolingParams
-from jaxserve.server.protocol import error_body
+from jaxserve.server.protocol import error_body, valid_unicode
 from jaxserve.server.state import ServerState
 
 Input = Union[str, list[str], list[int], list[list[int]]]
@@ -41,6 +41,8 @@ class PoolingRequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     user: str | None = None
+    # a lone surrogate (JSON "\ud800") in any field is a 400 naming it, not a 500
+    _valid_unicode = field_validator("*", mode="before")(valid_unicode)
 
 
 class EmbeddingRequest(PoolingRequestBody):
@@ -103,7 +105,9 @@ def add_pooling_routes(app: FastAPI, state: ServerState, v1: list, route) -> Non
         served = route(state, model).served
         pooler = getattr(served.llm, "pooler", None)
         if pooler is None:
-            raise InvalidRequestError("model", f"model {served.entry.name!r} runs generation; "
+            # names the field only when the client gave it (else the server's one model)
+            raise InvalidRequestError(None if model is None else "model",
+                                      f"model {served.entry.name!r} runs generation; "
                                       "embeddings and scores need a server started with "
                                       "--runner pooling")
         return pooler, model or served.entry.name

@@ -53,7 +53,16 @@ BASES = {  # a valid, cheap body per endpoint; fuzzing changes it
     # tests/server/test_lora_server.py covers them with adapters
     "/v1/load_lora_adapter": {"lora_name": "fuzz", "lora_path": "no-such-folder"},
     "/v1/unload_lora_adapter": {"lora_name": "fuzz"},
+    # pooling routes: this server generates, so a body that validates is refused naming
+    # `model` (400); tests/server/test_pooling_server.py covers them on a pooling server
+    **{path: {"model": NAME, "input": "ok"} for path in ("/v1/embeddings", "/pooling")},
+    **{path: {"model": NAME, "text_1": "ok", "text_2": "fine"}
+       for path in ("/score", "/v1/score")},
+    **{path: {"model": NAME, "query": "ok", "documents": ["fine"]}
+       for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
+POOLING = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+           "/v2/rerank")
 
 RUNTIME_LORA = RuntimeLoRAUpdating(allow_hub=True)  # registers the LoRA routes
 OPENAPI = create_app(ServerState(ServerOptions(model=NAME, runtime_lora=RUNTIME_LORA))).openapi()
@@ -279,7 +288,8 @@ def test_one_field_gets_any_value(fuzz, path):
         response, error = fuzz.send(path, body)
         if response.status_code == 400 and error["param"] is not None:
             head = error["param"].split(".")[0]
-            assert head == name or (name in PROMPTS and head in LIMITS), error
+            assert (head == name or (name in PROMPTS and head in LIMITS)
+                    or (path in POOLING and head == "model")), error
     run()
     fuzz.report(f"one field of {path}")
 

@@ -267,9 +267,11 @@ def test_a_models_file_serves_while_its_larger_buckets_compile(folder, tmp_path)
     entry = ('[[models]]\nname = "{name}"\npath = "{path}"\ndtype = "float32"\n'
              'max_num_seqs = 8\nmax_num_batched_tokens = 64\n{ladders}\n{more}')
     models = tmp_path / "models.toml"
-    # the background entry loads last, on a store of its own (nothing read from other tests)
+    # the background entry loads last, on a store of its own (nothing read from other
+    # tests), and its programs are not the blocking entry's (another max_model_len: the
+    # process shares a program between engines that have the same one)
     models.write_text(entry.format(name="blocking", path=folder, ladders=ladders,
-                                   more="compile_in_background = false\n")
+                                   more="compile_in_background = false\nmax_model_len = 64\n")
                       + entry.format(name="tiny", path=folder, ladders=ladders,
                                      more=f'compilation_cache_dir = "{tmp_path / "cache"}"\n'))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
